@@ -1,0 +1,158 @@
+"""The source checkpoint: its weight files, index, and lazy per-tensor access.
+
+Opening a checkpoint reads ``config.json``, the index and every shard's header (no tensor data)
+and checks that they agree, so planning can be done on shapes alone. Paths named by the index are
+confined to the model directory: ``../``, absolute paths and symlinks that lead elsewhere are
+refused. The one exception is the Hugging Face cache layout, where ``snapshots/<rev>/file`` is a
+symlink into the same repository's ``blobs/`` folder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import torch
+
+from foldckpt.errors import FoldckptError
+from foldckpt.safetensors_format import SafetensorsHeader, TensorInfo, read_header, read_tensor
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE_NAME = "model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_MAX_INDEX_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SourceCheckpoint:
+    """A validated safetensors checkpoint: which file holds which tensor, and every header."""
+
+    model_dir: Path
+    index_path: Path | None
+    weight_map: dict[str, str]
+    headers: dict[str, SafetensorsHeader]
+
+    def locate(self, name: str) -> tuple[str, TensorInfo] | None:
+        """The file (relative name) and header entry of tensor ``name``, or None if absent."""
+        file = self.weight_map.get(name)
+        return None if file is None else (file, self.headers[file].tensors[name])
+
+    def read(self, name: str) -> torch.Tensor:
+        located = self.locate(name)
+        if located is None:
+            raise FoldckptError(f"{self.model_dir}: tensor '{name}' is not in the checkpoint")
+        file, info = located
+        return read_tensor(self.model_dir / file, info)
+
+
+def allowed_roots(model_dir: Path) -> tuple[Path, ...]:
+    """Where files of ``model_dir`` may really live: the folder itself, and for a Hugging Face
+    cache snapshot (``.../snapshots/<rev>``) the same repository's ``blobs`` folder."""
+    root = model_dir.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots":
+        roots.append(root.parent.parent / "blobs")
+    return tuple(roots)
+
+
+def resolve_inside(model_dir: Path, name: str, where: str) -> Path:
+    """``model_dir / name`` after checking that ``name`` cannot escape the model directory."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise FoldckptError(f"{where}: invalid file name {name!r}")
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or ".." in pure.parts or "\\" in name:
+        raise FoldckptError(f"{where}: file name {name!r} escapes the model directory; refused")
+    path = model_dir / pure
+    if not path.exists():
+        raise FoldckptError(f"{where}: refers to {name!r}, which does not exist in {model_dir}")
+    real = path.resolve()
+    if not any(real.is_relative_to(root) for root in allowed_roots(model_dir)):
+        raise FoldckptError(
+            f"{where}: {name!r} is a symlink to {real}, outside the model directory; refused"
+        )
+    if not real.is_file():
+        raise FoldckptError(f"{where}: {name!r} is not a regular file")
+    return path
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(_MAX_INDEX_BYTES + 1)
+    except OSError as exc:
+        raise FoldckptError(f"{path}: cannot read: {exc.strerror}") from None
+    if len(raw) > _MAX_INDEX_BYTES:
+        raise FoldckptError(f"{path}: larger than {_MAX_INDEX_BYTES} bytes; not an index")
+    try:
+        index = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FoldckptError(f"{path}: invalid JSON: {exc}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise FoldckptError(f"{path}: 'weight_map' must map tensor names to file names")
+    return weight_map
+
+
+def _refuse_pickles(model_dir: Path) -> None:
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise FoldckptError(
+            f"{model_dir}: only pickle weights found ({', '.join(pickles[:3])}); foldckpt never "
+            "unpickles files: convert the checkpoint to safetensors first"
+        )
+    raise FoldckptError(f"{model_dir}: no {INDEX_NAME} or *.safetensors weights found")
+
+
+def open_source_checkpoint(model_dir: Path) -> SourceCheckpoint:
+    """Validate the index and every shard header of ``model_dir``; read no tensor data."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FoldckptError(f"{model_dir}: not a directory")
+    index_path = model_dir / INDEX_NAME
+    if index_path.is_file():
+        weight_map = _read_index(index_path)
+        files = sorted(set(weight_map.values()))
+        where = str(index_path)
+    else:
+        index_path = None
+        files = sorted(p.name for p in model_dir.glob("*.safetensors") if not p.name.startswith("foldckpt-"))
+        if not files:
+            _refuse_pickles(model_dir)
+        weight_map = {}
+        where = str(model_dir)
+
+    headers: dict[str, SafetensorsHeader] = {}
+    for file in files:
+        headers[file] = read_header(resolve_inside(model_dir, file, where))
+
+    if index_path is None:
+        for file, header in headers.items():
+            for name in header.tensors:
+                if name in weight_map:
+                    raise FoldckptError(
+                        f"{model_dir / file}: tensor '{name}' also appears in {weight_map[name]}"
+                    )
+                weight_map[name] = file
+    else:
+        for name, file in weight_map.items():
+            if name not in headers[file].tensors:
+                raise FoldckptError(
+                    f"{index_path}: says '{name}' is in {file}, but that file's header has no such tensor"
+                )
+    return SourceCheckpoint(model_dir, index_path, weight_map, headers)
+
+
+def list_files_to_place(model_dir: Path) -> list[str]:
+    """Every file of the model directory that the output must carry unchanged (relative POSIX
+    names), skipping hidden entries such as ``.cache`` and ``.git``."""
+    names: list[str] = []
+    for path in sorted(model_dir.rglob("*")):
+        relative = path.relative_to(model_dir)
+        if any(part.startswith(".") for part in relative.parts) or path.is_dir():
+            continue
+        resolve_inside(model_dir, relative.as_posix(), str(model_dir))
+        names.append(relative.as_posix())
+    return names

@@ -1,0 +1,277 @@
+"""Orchestration of ``foldckpt convert``: plan -> place sources -> fold -> sidecars -> manifest.
+
+One direction, one layer at a time: peak memory is a layer's q_b_proj and kv_b_proj in fp32 plus
+its fold, whatever the size of the model. Every durable step is journaled (see
+:mod:`foldckpt.journal`), so a killed run resumes where it stopped and produces the same bytes as
+an uninterrupted one; the manifest is written last and its presence means "finished".
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from foldckpt.errors import FoldckptError
+from foldckpt.files import os_error, place_file, remove_stale_tmp_files, sha256_file, tmp_path_for
+from foldckpt.layer import fold_from_source
+from foldckpt.journal import JOURNAL_NAME, Journal, run_key
+from foldckpt.manifest import (
+    MANIFEST_NAME,
+    FileRecord,
+    FoldTensor,
+    Manifest,
+    read_manifest,
+    write_manifest,
+)
+from foldckpt.plan import (
+    SIDECAR_METADATA,
+    SIDECAR_PREFIX,
+    ConversionPlan,
+    ShardPlan,
+    plan_conversion,
+)
+from foldckpt.sidecar import ShardWriter
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    fold_dtype: str = "bfloat16"
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    tp_sizes: tuple[int, ...] | None = None
+    link: str = "auto"
+    allow_nonfinite: bool = False
+    restart: bool = False
+    overwrite: bool = False
+    progress: bool = True
+    workers: int | None = None
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    out_dir: Path
+    up_to_date: bool
+    layers_total: int
+    layers_folded: int
+    layers_resumed: int
+    sidecars: dict[str, int]
+    fold_bytes: int
+    placed: dict[str, int] = field(default_factory=dict)
+    max_rel_error: float = 0.0
+    elapsed_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "out_dir": str(self.out_dir)}
+
+
+def _output_parameters(plan: ConversionPlan, options: ConvertOptions) -> dict[str, Any]:
+    """The parameters that shape the output bytes (and so key resumption and idempotence)."""
+    return {
+        "fold_dtype": plan.fold_dtype,
+        "accumulation_dtype": "float32",
+        "max_shard_size": options.max_shard_size,
+        "tp_sizes": list(plan.tp_sizes),
+    }
+
+
+def _clear_previous_run(out_dir: Path) -> None:
+    for path in [out_dir / MANIFEST_NAME, out_dir / JOURNAL_NAME, *out_dir.glob(f"{SIDECAR_PREFIX}*.safetensors")]:
+        path.unlink(missing_ok=True)
+    remove_stale_tmp_files(out_dir)
+
+
+def _prepare_out_dir(model_dir: Path, out_dir: Path, key: str, options: ConvertOptions) -> Journal | None:
+    """Decide between a fresh run, a resume, or "already done" (returns None); refuse the rest."""
+    source, target = model_dir.resolve(), out_dir.resolve()
+    if target == source or target.is_relative_to(source) or source.is_relative_to(target):
+        raise FoldckptError(
+            f"{out_dir}: the output must not be, contain, or lie inside the model directory {model_dir}"
+        )
+    journal_path = out_dir / JOURNAL_NAME
+    discard = options.restart or options.overwrite
+    if (out_dir / MANIFEST_NAME).exists():
+        previous = read_manifest(out_dir).parameters.get("run_key")
+        if previous == key and not discard:
+            journal_path.unlink(missing_ok=True)
+            return None
+        if not discard:
+            raise FoldckptError(
+                f"{out_dir}: holds a finished conversion of other inputs or parameters; "
+                "pass --restart to replace it"
+            )
+        _clear_previous_run(out_dir)
+    elif journal_path.exists():
+        journal = Journal.load(journal_path)
+        if journal.run_key == key and not discard:
+            return journal
+        if not discard:
+            raise FoldckptError(
+                f"{out_dir}: holds an unfinished conversion of other inputs or parameters; "
+                "refusing to mix results: pass --restart to start over"
+            )
+        _clear_previous_run(out_dir)
+    elif out_dir.exists() and any(out_dir.iterdir()) and not options.overwrite:
+        raise FoldckptError(
+            f"{out_dir}: not empty and not a foldckpt output; choose an empty directory or pass --overwrite"
+        )
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise os_error(out_dir, exc, "creating the output directory") from None
+    return Journal(journal_path, key)
+
+
+def _check_free_space(plan: ConversionPlan, out_dir: Path, journal: Journal, link: str) -> None:
+    needed = sum(s.size for s in plan.shards if not journal.shard(s.name).done)
+    same_device = os.stat(plan.source.model_dir).st_dev == os.stat(out_dir).st_dev
+    if link == "copy" or (link == "auto" and not same_device):
+        needed += sum(
+            (plan.source.model_dir / name).stat().st_size
+            for name in plan.files_to_place
+            if name not in journal.placed
+        )
+    free = shutil.disk_usage(out_dir).free
+    if needed > free:
+        raise FoldckptError(
+            f"{out_dir}: needs {needed / 1e9:.2f} GB free but has {free / 1e9:.2f} GB; free space first"
+        )
+
+
+def _place_sources(plan: ConversionPlan, out_dir: Path, journal: Journal, options: ConvertOptions) -> None:
+    todo = [n for n in plan.files_to_place if not (n in journal.placed and (out_dir / n).exists())]
+    total = sum((plan.source.model_dir / n).stat().st_size for n in todo)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="placing sources", disable=not options.progress) as bar:
+        for name in todo:
+            size = (plan.source.model_dir / name).stat().st_size
+            how = place_file(plan.source.model_dir / name, out_dir / name, options.link, progress=None)
+            bar.update(size)
+            journal.placed[name] = how
+            journal.save()
+
+
+def _write_shard(
+    plan: ConversionPlan,
+    shard: ShardPlan,
+    out_dir: Path,
+    journal: Journal,
+    options: ConvertOptions,
+    pool: ThreadPoolExecutor,
+    bar: tqdm,
+) -> int:
+    """Write (or finish) one sidecar shard; returns the number of layers folded in this run."""
+    progress = journal.shard(shard.name)
+    writer = ShardWriter(out_dir / shard.name, shard.specs, SIDECAR_METADATA, progress.offset)
+    if writer.offset != progress.offset:  # nothing usable on disk: start the shard over
+        progress.tensors.clear()
+    folded = 0
+    try:
+        for layer in shard.layers:
+            if layer.output.name in progress.tensors:
+                bar.update(1)
+                continue
+            data, record = fold_from_source(plan, layer, shard.name, pool, options.allow_nonfinite)
+            progress.offset = writer.append(data)
+            progress.tensors[record.name] = record.to_dict()
+            journal.save()
+            folded += 1
+            bar.set_postfix(layer=layer.layer.index, relerr=f"{record.error['rel_fro_error']:.1e}")
+            bar.update(1)
+        progress.done = writer.commit().to_dict()
+    finally:
+        writer.close()
+    journal.save()
+    return folded
+
+
+def _hash_sources(plan: ConversionPlan, out_dir: Path, journal: Journal, options: ConvertOptions) -> None:
+    todo = [n for n in plan.files_to_place if n not in journal.source_hashes]
+    total = sum((out_dir / n).stat().st_size for n in todo)
+    workers = options.workers or os.cpu_count() or 1
+    with (
+        tqdm(total=total, unit="B", unit_scale=True, desc="hashing sources", disable=not options.progress) as bar,
+        ThreadPoolExecutor(max_workers=workers) as pool,
+    ):
+        futures = {n: pool.submit(sha256_file, out_dir / n, bar.update) for n in todo}
+        for name, future in futures.items():
+            journal.source_hashes[name] = FileRecord((out_dir / name).stat().st_size, future.result()).to_dict()
+            journal.save()
+
+
+def _manifest(plan: ConversionPlan, journal: Journal, parameters: dict[str, Any]) -> Manifest:
+    tensors = {
+        name: FoldTensor.from_dict(name, record)
+        for shard in plan.shards
+        for name, record in journal.shard(shard.name).tensors.items()
+    }
+    ordered = {layer.output.name: tensors[layer.output.name] for layer in plan.layers}
+    return Manifest(
+        geometry=plan.geometry,
+        fold_dtype=plan.fold_dtype,
+        accumulation_dtype="float32",
+        tp_sizes=plan.tp_sizes,
+        tensors=ordered,
+        sidecars={s.name: FileRecord(**journal.shard(s.name).done) for s in plan.shards},
+        source_files={n: FileRecord(**journal.source_hashes[n]) for n in plan.files_to_place},
+        parameters=parameters,
+    )
+
+
+def convert(model_dir: Path, out_dir: Path, options: ConvertOptions = ConvertOptions()) -> ConvertResult:
+    """Fold every MLA layer of ``model_dir`` into sidecars in ``out_dir`` (resumable, idempotent)."""
+    started = time.monotonic()
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    plan = plan_conversion(model_dir, options.fold_dtype, options.max_shard_size, options.tp_sizes)
+    parameters = _output_parameters(plan, options)
+    key = run_key(model_dir, plan.files_to_place, parameters)
+    sidecars = {shard.name: shard.size for shard in plan.shards}
+    journal = _prepare_out_dir(model_dir, out_dir, key, options)
+    if journal is None:
+        manifest = read_manifest(out_dir)
+        return ConvertResult(
+            out_dir, True, len(plan.layers), 0, len(plan.layers), sidecars, plan.fold_bytes,
+            max_rel_error=max(t.error["rel_fro_error"] for t in manifest.tensors.values()),
+            elapsed_s=time.monotonic() - started,
+        )  # fmt: skip
+    remove_stale_tmp_files(out_dir, keep={tmp_path_for(out_dir / name) for name in journal.shards})
+    _check_free_space(plan, out_dir, journal, options.link)
+
+    _place_sources(plan, out_dir, journal, options)
+    folded = 0
+    with (
+        ThreadPoolExecutor(max_workers=options.workers or os.cpu_count() or 1) as pool,
+        tqdm(total=len(plan.layers), unit="layer", desc="folding", disable=not options.progress) as bar,
+    ):
+        for shard in plan.shards:
+            if journal.shard(shard.name).done and (out_dir / shard.name).exists():
+                bar.update(len(shard.layers))
+                continue
+            folded += _write_shard(plan, shard, out_dir, journal, options, pool, bar)
+    _hash_sources(plan, out_dir, journal, options)
+
+    parameters["run_key"] = key
+    manifest = _manifest(plan, journal, parameters)
+    write_manifest(out_dir, manifest)
+    journal.path.unlink(missing_ok=True)
+    placed: dict[str, int] = {}
+    for how in journal.placed.values():
+        placed[how] = placed.get(how, 0) + 1
+    return ConvertResult(
+        out_dir=out_dir,
+        up_to_date=False,
+        layers_total=len(plan.layers),
+        layers_folded=folded,
+        layers_resumed=len(plan.layers) - folded,
+        sidecars=sidecars,
+        fold_bytes=plan.fold_bytes,
+        placed=placed,
+        max_rel_error=max(t.error["rel_fro_error"] for t in manifest.tensors.values()),
+        elapsed_s=time.monotonic() - started,
+    )

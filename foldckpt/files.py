@@ -1,0 +1,161 @@
+"""Durable file operations: atomic writes, placing source files, hashing.
+
+Every file foldckpt produces goes through :func:`atomic_output`: written under a temporary name in
+the destination folder, fsynced, renamed into place, and the folder fsynced. A killed process
+therefore leaves either the old state or the complete new file, never a half-written file under
+a name that verify or vLLM would read. Disk-full and file-too-large errors become one-line
+:class:`FoldckptError` messages naming the file, and the temporary file is removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from foldckpt.errors import FoldckptError
+
+TMP_SUFFIX = ".foldckpt-tmp"
+HASH_CHUNK = 8 * 1024 * 1024
+LINK_MODES = ("auto", "hard", "copy", "symlink")
+
+_DISK_FULL = {errno.ENOSPC: "disk full", errno.EFBIG: "file too large for this filesystem or limit",
+              errno.EDQUOT: "disk quota exceeded"}  # fmt: skip
+
+
+def tmp_path_for(path: Path) -> Path:
+    return path.with_name(f".{path.name}{TMP_SUFFIX}")
+
+
+def is_tmp_path(path: Path) -> bool:
+    return path.name.startswith(".") and path.name.endswith(TMP_SUFFIX)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def os_error(path: Path, exc: OSError, action: str) -> FoldckptError:
+    """A one-line user error for an OSError met while ``action``-ing ``path``."""
+    if exc.errno in _DISK_FULL:
+        return FoldckptError(f"{path}: {_DISK_FULL[exc.errno]} while {action}; free space and rerun to resume")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return FoldckptError(f"{path}: permission denied while {action}")
+    return FoldckptError(f"{path}: {exc.strerror or exc} while {action}")
+
+
+@contextmanager
+def atomic_output(path: Path) -> Iterator[BinaryIO]:
+    """Open ``path`` for writing so that it appears only complete and durable, or not at all."""
+    path = Path(path)
+    tmp = tmp_path_for(path)
+    try:
+        with open(tmp, "wb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise os_error(path, exc, "writing") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    with atomic_output(path) as handle:
+        handle.write((json.dumps(data, indent=2, sort_keys=False) + "\n").encode("utf-8"))
+
+
+def sha256_file(path: Path, progress: Callable[[int], object] | None = None) -> str:
+    """sha256 of a whole file, read in large chunks (hashlib releases the GIL, so threads scale)."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            buffer = bytearray(HASH_CHUNK)
+            view = memoryview(buffer)
+            while count := handle.readinto(buffer):
+                digest.update(view[:count])
+                if progress:
+                    progress(count)
+    except OSError as exc:
+        raise os_error(path, exc, "hashing") from None
+    return digest.hexdigest()
+
+
+def sha256_files(
+    paths: list[Path], workers: int | None = None, progress: Callable[[int], object] | None = None
+) -> dict[Path, str]:
+    """Hash many files in parallel (one thread per core by default)."""
+    workers = workers or os.cpu_count() or 1
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        digests = pool.map(lambda p: sha256_file(p, progress), paths)
+        return dict(zip(paths, digests))
+
+
+def _copy(src: Path, dst: Path, progress: Callable[[int], object] | None) -> None:
+    with open(src, "rb") as reader, atomic_output(dst) as writer:
+        while chunk := reader.read(HASH_CHUNK):
+            writer.write(chunk)
+            if progress:
+                progress(len(chunk))
+
+
+def place_file(src: Path, dst: Path, mode: str, progress: Callable[[int], object] | None = None) -> str:
+    """Make ``dst`` hold ``src`` unchanged: a hard link, a copy or a symlink; returns how.
+
+    ``auto`` hard-links when source and output share a filesystem and copies otherwise. The new
+    entry is created under a temporary name and renamed, so a half-copied file never has the
+    final name.
+    """
+    if mode not in LINK_MODES:
+        raise FoldckptError(f"unknown --link mode {mode!r}; choose one of {', '.join(LINK_MODES)}")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path_for(dst)
+    tmp.unlink(missing_ok=True)
+    if mode in ("auto", "hard"):
+        try:
+            os.link(src, tmp)
+            os.replace(tmp, dst)
+            return "hard"
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if mode == "hard" or exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise os_error(dst, exc, f"hard-linking {src}") from None
+    if mode == "symlink":
+        try:
+            os.symlink(src.resolve(), tmp)
+            os.replace(tmp, dst)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise os_error(dst, exc, f"symlinking {src}") from None
+        return "symlink"
+    try:
+        _copy(src, dst, progress)
+    except FoldckptError:
+        raise
+    except OSError as exc:
+        raise os_error(src, exc, "copying") from None
+    shutil.copystat(src, dst)
+    return "copy"
+
+
+def remove_stale_tmp_files(folder: Path, keep: set[Path] = frozenset()) -> list[Path]:
+    """Delete temporary files a killed run left behind (except ``keep``); returns what was removed."""
+    stale = [p for p in folder.rglob(f"*{TMP_SUFFIX}") if is_tmp_path(p) and p not in keep]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale

@@ -1,0 +1,143 @@
+"""The math, and nothing else: dequantize, fold a layer, measure the fold's error.
+
+Per head h (P nope dims, R rope dims, L kv_lora_rank, Lq q_lora_rank)::
+
+    W_fold[h] = [ W_UK[h]ᵀ · W_qb_nope[h] ;  W_qb_pe[h] ]      # [L + R, Lq]
+
+with W_UK[h] = kv_b_proj rows [h*(P+V), h*(P+V)+P) and W_qb = q_b_proj rows [h*(P+R), (h+1)*(P+R)).
+Then ``x · W_fold[h]ᵀ = [ (x · W_qb_nope[h]ᵀ) · W_UK[h] | x · W_qb_pe[h]ᵀ ]``, the absorbed MQA
+query. The product is accumulated in fp32 and rounded once to the output dtype; fp64 is used only
+as the reference the error statistics are measured against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from foldckpt.errors import FoldckptError
+from foldckpt.geometry import Geometry
+
+# Heads folded per matmul: bounds the fp32 working set to a few MB per head regardless of H.
+_HEADS_PER_CHUNK = 8
+
+# Acceptance bound on the relative Frobenius error of a stored fold vs the fp64 fold: one rounding
+# to the dtype costs at most half an ulp per element, i.e. 2^-9 relative for bf16.
+ROUNDING_TOLERANCE: dict[torch.dtype, float] = {
+    torch.bfloat16: 2.0**-8,
+    torch.float16: 2.0**-10,
+    torch.float32: 1e-6,
+}
+
+
+def dequantize_fp8_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str
+) -> torch.Tensor:
+    """fp8 e4m3 weight x per-block ``weight_scale_inv`` -> fp32 (DeepSeek-V3 / Kimi-K2 format)."""
+    rows, cols = weight.shape
+    expected = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape) != expected:
+        raise FoldckptError(
+            f"tensor '{name}_scale_inv' has shape {list(scale_inv.shape)}, expected {list(expected)} "
+            f"for {block[0]}x{block[1]} blocks of a {rows}x{cols} weight"
+        )
+    scale = scale_inv.to(torch.float32)
+    scale = scale.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    return weight.to(torch.float32) * scale
+
+
+def _per_head(q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """View q_b_proj as [H, P+R, Lq] and kv_b_proj as [H, P+V, L]."""
+    p, r, v = g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim
+    return (
+        q_b.reshape(g.num_heads, p + r, g.q_lora_rank),
+        kv_b.reshape(g.num_heads, p + v, g.kv_lora_rank),
+    )
+
+
+def _fold_heads(q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry) -> torch.Tensor:
+    """[n, L+R, Lq] fold of the heads given as [n, P+R, Lq] / [n, P+V, L], in their dtype."""
+    p = g.qk_nope_head_dim
+    ql_nope = torch.matmul(kv_b[:, :p, :].transpose(1, 2), q_b[:, :p, :])  # [n, L, Lq]
+    return torch.cat([ql_nope, q_b[:, p:, :]], dim=1)
+
+
+def fold_layer(
+    q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """The head-major fold ``[H*(L+R), Lq]`` of one layer: fp32 accumulation, one rounding."""
+    q_heads, kv_heads = _per_head(q_b, kv_b, g)
+    out = torch.empty(g.num_heads, g.fold_head_dim, g.q_lora_rank, dtype=out_dtype)
+    for start in range(0, g.num_heads, _HEADS_PER_CHUNK):
+        chunk = slice(start, start + _HEADS_PER_CHUNK)
+        out[chunk] = _fold_heads(
+            q_heads[chunk].to(torch.float32), kv_heads[chunk].to(torch.float32), g
+        ).to(out_dtype)
+    return out.reshape(g.fold_shape)
+
+
+def reference_fold_heads(
+    q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, heads: tuple[int, ...]
+) -> torch.Tensor:
+    """fp64 fold of the selected heads, ``[len(heads), L+R, Lq]``."""
+    q_heads, kv_heads = _per_head(q_b, kv_b, g)
+    index = torch.tensor(heads)
+    return _fold_heads(q_heads[index].to(torch.float64), kv_heads[index].to(torch.float64), g)
+
+
+def sample_heads(num_heads: int, count: int = 4) -> tuple[int, ...]:
+    """Deterministic, evenly spread head sample that always includes the first and last head."""
+    if count >= num_heads:
+        return tuple(range(num_heads))
+    step = (num_heads - 1) / (count - 1)
+    return tuple(sorted({round(i * step) for i in range(count)}))
+
+
+@dataclass(frozen=True)
+class FoldError:
+    """How far a stored fold is from the fp64 fold, on a sample of heads."""
+
+    heads: tuple[int, ...]
+    rel_fro_error: float
+    max_abs_error: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "heads": list(self.heads),
+            "rel_fro_error": self.rel_fro_error,
+            "max_abs_error": self.max_abs_error,
+        }
+
+
+def fold_error(
+    fold: torch.Tensor, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, heads: tuple[int, ...]
+) -> FoldError:
+    reference = reference_fold_heads(q_b, kv_b, g, heads)
+    stored = fold.reshape(g.num_heads, g.fold_head_dim, g.q_lora_rank)[torch.tensor(heads)]
+    diff = stored.to(torch.float64) - reference
+    norm = reference.norm().item()
+    return FoldError(
+        heads=heads,
+        rel_fro_error=diff.norm().item() / norm if norm else diff.norm().item(),
+        max_abs_error=diff.abs().max().item() if diff.numel() else 0.0,
+    )
+
+
+def probe_error(
+    fold: torch.Tensor, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, tokens: int = 8, seed: int = 0
+) -> float:
+    """Relative error of ``x·W_foldᵀ`` against the unfolded two-step query on random x (fp64).
+
+    This is the property decode relies on, checked end to end on the stored tensor:
+    ``x·W_foldᵀ ≈ [ (x·W_qb_nopeᵀ)·W_UK | x·W_qb_peᵀ ]`` per head.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, g.q_lora_rank, generator=generator, dtype=torch.float64)
+    p = g.qk_nope_head_dim
+    q_heads, kv_heads = _per_head(q_b.to(torch.float64), kv_b.to(torch.float64), g)
+    q = torch.einsum("tk,hdk->htd", x, q_heads)  # [H, T, P+R]
+    ql_nope = torch.bmm(q[:, :, :p], kv_heads[:, :p, :])  # [H, T, L]
+    expected = torch.cat([ql_nope, q[:, :, p:]], dim=2).transpose(0, 1)  # [T, H, L+R]
+    got = (x @ fold.to(torch.float64).T).reshape(tokens, g.num_heads, g.fold_head_dim)
+    return ((got - expected).norm() / expected.norm()).item()

@@ -1,0 +1,280 @@
+"""MLA geometry and tensor naming, read from a checkpoint's ``config.json``.
+
+Everything downstream (planning, folding, verification, the vLLM plugin) asks this module which
+layers are MLA, what their tensors are called and what shapes they must have. Dimensions always
+come from the config; the planner then cross-checks them against the tensor headers before any
+data is read, so a config that lies about the checkpoint is caught up front.
+
+Families:
+
+* ``deepseek``: ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` (DeepSeek-V2/V3, Kimi-K2),
+  tensors ``model.layers.{i}``, every layer MLA, MTP layers follow the main layers.
+* ``kimi_k25``: ``KimiK25ForConditionalGeneration``, a DeepSeek-V3 text model under
+  ``language_model.``.
+* ``kimi_k3``: ``KimiK3ForConditionalGeneration``, a Kimi-Linear text model under
+  ``language_model.``; MLA layers are those NOT listed in ``linear_attn_config.kda_layers``
+  (1-indexed), the others are KDA (linear attention) and have no fold.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from foldckpt.errors import FoldckptError
+
+CONFIG_NAME = "config.json"
+_MAX_CONFIG_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class MLALayer:
+    """One MLA layer of the source checkpoint, named exactly as its tensors are."""
+
+    index: int
+    prefix: str
+    is_mtp: bool = False
+
+    @property
+    def q_b_proj(self) -> str:
+        return f"{self.prefix}.self_attn.q_b_proj.weight"
+
+    @property
+    def kv_b_proj(self) -> str:
+        return f"{self.prefix}.self_attn.kv_b_proj.weight"
+
+    @property
+    def q_fold(self) -> str:
+        return f"{self.prefix}.self_attn.q_fold.weight"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The MLA dimensions of a model and the list of layers that get a fold.
+
+    Notation used throughout the project: H heads, Lq q_lora_rank, L kv_lora_rank,
+    P qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim.
+    """
+
+    family: str
+    architecture: str
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    layers: tuple[MLALayer, ...]
+    uses_rope: bool = True
+    quant_method: str | None = None
+    weight_block_size: tuple[int, int] | None = None
+
+    @property
+    def fold_head_dim(self) -> int:
+        """Rows per head of the fold: L rows of W_UKᵀ·W_qb_nope, then R rows of W_qb_pe."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def fold_shape(self) -> tuple[int, int]:
+        return (self.num_heads * self.fold_head_dim, self.q_lora_rank)
+
+    @property
+    def q_b_proj_shape(self) -> tuple[int, int]:
+        return (self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim), self.q_lora_rank)
+
+    @property
+    def kv_b_proj_shape(self) -> tuple[int, int]:
+        return (self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
+
+    def valid_tp_sizes(self, candidates: tuple[int, ...] = (1, 2, 4, 8, 16)) -> tuple[int, ...]:
+        """The candidate tensor-parallel sizes whose head split is exact."""
+        return tuple(tp for tp in candidates if self.num_heads % tp == 0)
+
+    def rank_rows(self, tp: int, rank: int) -> tuple[int, int]:
+        """Row range ``[start, stop)`` of the fold that vLLM rank ``rank`` of ``tp`` loads."""
+        if tp <= 0 or self.num_heads % tp:
+            raise FoldckptError(
+                f"tensor-parallel size {tp} does not divide the {self.num_heads} attention heads"
+            )
+        if not 0 <= rank < tp:
+            raise FoldckptError(f"rank {rank} is outside tensor-parallel size {tp}")
+        rows = self.num_heads // tp * self.fold_head_dim
+        return rank * rows, (rank + 1) * rows
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "family": self.family,
+            "architecture": self.architecture,
+            "num_heads": self.num_heads,
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "uses_rope": self.uses_rope,
+            "quant_method": self.quant_method,
+            "weight_block_size": list(self.weight_block_size) if self.weight_block_size else None,
+            "layers": [
+                {"index": layer.index, "prefix": layer.prefix, "is_mtp": layer.is_mtp}
+                for layer in self.layers
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Geometry:
+        block = data.get("weight_block_size")
+        return cls(
+            family=data["family"],
+            architecture=data["architecture"],
+            num_heads=int(data["num_heads"]),
+            q_lora_rank=int(data["q_lora_rank"]),
+            kv_lora_rank=int(data["kv_lora_rank"]),
+            qk_nope_head_dim=int(data["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(data["qk_rope_head_dim"]),
+            v_head_dim=int(data["v_head_dim"]),
+            uses_rope=bool(data["uses_rope"]),
+            quant_method=data.get("quant_method"),
+            weight_block_size=(int(block[0]), int(block[1])) if block else None,
+            layers=tuple(
+                MLALayer(int(item["index"]), str(item["prefix"]), bool(item["is_mtp"]))
+                for item in data["layers"]
+            ),
+        )
+
+
+_DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+_KIMI_K25_ARCHITECTURES = ("KimiK25ForConditionalGeneration",)
+_KIMI_K3_ARCHITECTURES = ("KimiK3ForConditionalGeneration",)
+SUPPORTED_ARCHITECTURES = _DEEPSEEK_ARCHITECTURES + _KIMI_K25_ARCHITECTURES + _KIMI_K3_ARCHITECTURES
+
+
+def _require_int(config: dict[str, Any], key: str, where: str) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise FoldckptError(f"{where}: '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _quantization(config: dict[str, Any], outer: dict[str, Any]) -> tuple[str | None, tuple[int, int] | None]:
+    """The checkpoint-wide quantization method and fp8 block size, if any."""
+    quant = config.get("quantization_config") or outer.get("quantization_config")
+    if not isinstance(quant, dict):
+        return None, None
+    method = quant.get("quant_method")
+    block = quant.get("weight_block_size")
+    if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block):
+        return method, (block[0], block[1])
+    return method, None
+
+
+def _kimi_k3_mla_indices(text: dict[str, Any], num_layers: int, where: str) -> list[int]:
+    linear = text.get("linear_attn_config")
+    if not isinstance(linear, dict) or not isinstance(linear.get("kda_layers"), list):
+        raise FoldckptError(f"{where}: Kimi-K3 text_config needs linear_attn_config.kda_layers")
+    kda = linear["kda_layers"]
+    if not all(isinstance(i, int) and 1 <= i <= num_layers for i in kda):
+        raise FoldckptError(
+            f"{where}: linear_attn_config.kda_layers must hold 1-based layer numbers in 1..{num_layers}"
+        )
+    kda_set = set(kda)
+    return [i for i in range(num_layers) if (i + 1) not in kda_set]
+
+
+def geometry_from_config(config: dict[str, Any], where: str = CONFIG_NAME) -> Geometry:
+    """Build the geometry of a supported MLA model from its parsed ``config.json``.
+
+    ``where`` names the file in error messages.
+    """
+    if not isinstance(config, dict):
+        raise FoldckptError(f"{where}: expected a JSON object")
+    architectures = config.get("architectures") or []
+    architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if architecture is None:
+        raise FoldckptError(
+            f"{where}: unsupported architecture {architectures!r}; foldckpt folds "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if architecture in _DEEPSEEK_ARCHITECTURES:
+        family, text, prefix = "deepseek", config, "model.layers"
+    else:
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise FoldckptError(f"{where}: {architecture} needs a 'text_config' object")
+        family = "kimi_k25" if architecture in _KIMI_K25_ARCHITECTURES else "kimi_k3"
+        prefix = "language_model.model.layers"
+        where = f"{where} (text_config)"
+
+    if text.get("q_lora_rank") in (None, 0):
+        raise FoldckptError(
+            f"{where}: q_lora_rank is not set: this model projects queries with q_proj directly "
+            "(no q_b_proj), so there is nothing to fold"
+        )
+    dims = {
+        key: _require_int(text, key, where)
+        for key in (
+            "num_attention_heads",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "num_hidden_layers",
+        )
+    }
+    num_layers = dims["num_hidden_layers"]
+    mtp = text.get("num_nextn_predict_layers") or 0
+    if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+        raise FoldckptError(f"{where}: 'num_nextn_predict_layers' must be a non-negative integer")
+
+    if family == "kimi_k3":
+        main = _kimi_k3_mla_indices(text, num_layers, where)
+        uses_rope = not bool(text.get("mla_use_nope", False))
+    else:
+        main = list(range(num_layers))
+        uses_rope = True
+    layers = tuple(MLALayer(i, f"{prefix}.{i}") for i in main) + tuple(
+        MLALayer(num_layers + j, f"{prefix}.{num_layers + j}", is_mtp=True) for j in range(mtp)
+    )
+    if not layers:
+        raise FoldckptError(f"{where}: the model has no MLA layer (every layer is linear attention)")
+
+    quant_method, block = _quantization(text, config)
+    return Geometry(
+        family=family,
+        architecture=architecture,
+        num_heads=dims["num_attention_heads"],
+        q_lora_rank=dims["q_lora_rank"],
+        kv_lora_rank=dims["kv_lora_rank"],
+        qk_nope_head_dim=dims["qk_nope_head_dim"],
+        qk_rope_head_dim=dims["qk_rope_head_dim"],
+        v_head_dim=dims["v_head_dim"],
+        layers=layers,
+        uses_rope=uses_rope,
+        quant_method=quant_method,
+        weight_block_size=block,
+    )
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """Parse ``config.json`` with a size limit and one-line errors."""
+    path = Path(model_dir) / CONFIG_NAME
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(_MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise FoldckptError(f"{path}: not found; is this a Hugging Face model directory?") from None
+    except OSError as exc:
+        raise FoldckptError(f"{path}: cannot read: {exc.strerror}") from None
+    if len(raw) > _MAX_CONFIG_BYTES:
+        raise FoldckptError(f"{path}: larger than {_MAX_CONFIG_BYTES} bytes; not a model config")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FoldckptError(f"{path}: invalid JSON: {exc}") from None
+
+
+def read_geometry(model_dir: Path) -> Geometry:
+    """The geometry of the model stored in ``model_dir``."""
+    return geometry_from_config(read_config(model_dir), str(Path(model_dir) / CONFIG_NAME))

@@ -1,0 +1,94 @@
+"""The resume journal of an unfinished conversion.
+
+``OUT_DIR/.foldckpt-journal.json`` is rewritten atomically after every durable step: a source
+file placed, a layer appended to a sidecar (with the byte offset that is known to be on disk), a
+sidecar finished, a source file hashed. It is keyed by a run key derived from the tool version,
+the output-shaping parameters and the identity of every source file, so a rerun with other inputs
+or parameters refuses to mix its results with this one. The manifest replaces it at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from foldckpt import __version__
+from foldckpt.errors import FoldckptError
+from foldckpt.files import atomic_write_json
+from foldckpt.manifest import FORMAT_VERSION
+
+JOURNAL_NAME = ".foldckpt-journal.json"
+
+
+def run_key(model_dir: Path, files: tuple[str, ...], parameters: dict[str, Any]) -> str:
+    """Identity of a conversion: same key, same output bytes.
+
+    Source files are identified by name, size and modification time (hashing terabytes just to
+    decide whether to resume would cost as much as the work itself).
+    """
+    identity = {
+        "tool_version": __version__,
+        "format_version": FORMAT_VERSION,
+        "parameters": parameters,
+        "sources": [
+            [name, (st := (model_dir / name).stat()).st_size, st.st_mtime_ns] for name in files
+        ],
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class ShardProgress:
+    """What of one sidecar shard is durably on disk."""
+
+    offset: int = 0
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    done: dict[str, Any] | None = None
+
+
+@dataclass
+class Journal:
+    path: Path
+    run_key: str
+    placed: dict[str, str] = field(default_factory=dict)
+    shards: dict[str, ShardProgress] = field(default_factory=dict)
+    source_hashes: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def save(self) -> None:
+        atomic_write_json(
+            self.path,
+            {
+                "run_key": self.run_key,
+                "placed": self.placed,
+                "shards": {
+                    name: {"offset": s.offset, "tensors": s.tensors, "done": s.done}
+                    for name, s in self.shards.items()
+                },
+                "source_hashes": self.source_hashes,
+            },
+        )
+
+    def shard(self, name: str) -> ShardProgress:
+        return self.shards.setdefault(name, ShardProgress())
+
+    @classmethod
+    def load(cls, path: Path) -> Journal:
+        try:
+            data = json.loads(path.read_text())
+            return cls(
+                path=path,
+                run_key=str(data["run_key"]),
+                placed=dict(data["placed"]),
+                shards={
+                    name: ShardProgress(int(s["offset"]), dict(s["tensors"]), s["done"])
+                    for name, s in data["shards"].items()
+                },
+                source_hashes=dict(data["source_hashes"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise FoldckptError(
+                f"{path}: unreadable resume journal ({exc}); pass --restart to start over"
+            ) from None

@@ -1,0 +1,97 @@
+"""One layer's fold computed from the source checkpoint, as convert stores it and verify re-derives it.
+
+Reads the layer's inputs (hashing exactly the bytes read, for provenance), dequantizes fp8 blocks,
+refuses NaN/Inf, folds, measures the error against fp64 on sampled heads, and hashes the result
+whole and per tensor-parallel rank slice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import torch
+
+from foldckpt.errors import FoldckptError
+from foldckpt.fold import dequantize_fp8_blocks, fold_error, fold_layer, sample_heads
+from foldckpt.geometry import Geometry
+from foldckpt.manifest import FoldTensor, SourceTensor
+from foldckpt.plan import FOLD_DTYPES, ConversionPlan, LayerPlan, SourceWeight
+from foldckpt.safetensors_format import TORCH_DTYPES, TensorInfo, read_tensor_bytes, tensor_to_bytes
+
+
+@dataclass(frozen=True)
+class LayerInputs:
+    q_b_proj: torch.Tensor
+    kv_b_proj: torch.Tensor
+    sources: tuple[SourceTensor, ...]
+
+
+def _load(plan: ConversionPlan, name: str, file: str, info: TensorInfo) -> tuple[torch.Tensor, SourceTensor]:
+    data = read_tensor_bytes(plan.source.model_dir / file, info)
+    tensor = torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype]).reshape(info.shape)
+    return tensor, SourceTensor(name, file, hashlib.sha256(data).hexdigest())
+
+
+def _load_weight(
+    plan: ConversionPlan, weight: SourceWeight, allow_nonfinite: bool
+) -> tuple[torch.Tensor, list[SourceTensor]]:
+    """One fold input, dequantized to fp32 when it is fp8, plus the hashes of the bytes read."""
+    tensor, record = _load(plan, weight.name, weight.file, weight.info)
+    records = [record]
+    if weight.scale is not None and weight.block is not None:
+        scale, scale_record = _load(plan, weight.scale[1].name, *weight.scale)
+        records.append(scale_record)
+        tensor = dequantize_fp8_blocks(tensor, scale, weight.block, weight.name)
+    if not allow_nonfinite and not torch.isfinite(tensor).all():
+        raise FoldckptError(
+            f"{plan.source.model_dir / weight.file}: tensor '{weight.name}' contains NaN or Inf; "
+            "refusing to fold (pass --allow-nonfinite to fold it anyway)"
+        )
+    return tensor, records
+
+
+def load_layer_inputs(plan: ConversionPlan, layer: LayerPlan, allow_nonfinite: bool = False) -> LayerInputs:
+    q_b, q_sources = _load_weight(plan, layer.q_b_proj, allow_nonfinite)
+    kv_b, kv_sources = _load_weight(plan, layer.kv_b_proj, allow_nonfinite)
+    return LayerInputs(q_b, kv_b, tuple(q_sources + kv_sources))
+
+
+def slice_digests(
+    data: memoryview, geometry: Geometry, tp_sizes: tuple[int, ...], pool: Executor
+) -> tuple[str, dict[int, tuple[str, ...]]]:
+    """sha256 of a fold's bytes, and of every rank's row slice for each tensor-parallel size."""
+    row_bytes = data.nbytes // geometry.fold_shape[0]
+
+    def digest(start_row: int, stop_row: int) -> str:
+        return hashlib.sha256(data[start_row * row_bytes : stop_row * row_bytes]).hexdigest()
+
+    whole = pool.submit(digest, 0, geometry.fold_shape[0])
+    ranks = {tp: [pool.submit(digest, *geometry.rank_rows(tp, r)) for r in range(tp)] for tp in tp_sizes}
+    return whole.result(), {tp: tuple(f.result() for f in futures) for tp, futures in ranks.items()}
+
+
+def fold_from_source(
+    plan: ConversionPlan, layer: LayerPlan, shard: str, pool: Executor, allow_nonfinite: bool = False
+) -> tuple[memoryview, FoldTensor]:
+    """The stored bytes of one layer's fold and its manifest record."""
+    geometry = plan.geometry
+    inputs = load_layer_inputs(plan, layer, allow_nonfinite)
+    fold = fold_layer(inputs.q_b_proj, inputs.kv_b_proj, geometry, FOLD_DTYPES[plan.fold_dtype])
+    error = fold_error(fold, inputs.q_b_proj, inputs.kv_b_proj, geometry, sample_heads(geometry.num_heads))
+    data = tensor_to_bytes(fold)
+    whole, ranks = slice_digests(data, geometry, plan.tp_sizes, pool)
+    record = FoldTensor(
+        name=layer.output.name,
+        layer_index=layer.layer.index,
+        layer_prefix=layer.layer.prefix,
+        file=shard,
+        dtype=layer.output.dtype,
+        shape=geometry.fold_shape,
+        sha256=whole,
+        rank_sha256=ranks,
+        sources=inputs.sources,
+        error=error.to_dict(),
+    )
+    return data, record

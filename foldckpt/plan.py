@@ -1,0 +1,198 @@
+"""Plan a conversion from headers alone, and reject every bad input before any work is done.
+
+The plan says, per MLA layer, which source tensors feed its fold (and in which files, possibly
+different shards), how to dequantize them, and which sidecar shard the fold goes to. Building it
+reads ``config.json``, the index and the shard headers only; ``--dry-run`` prints it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from foldckpt import __version__
+from foldckpt.checkpoint import SourceCheckpoint, list_files_to_place, open_source_checkpoint
+from foldckpt.errors import FoldckptError
+from foldckpt.geometry import Geometry, MLALayer, read_geometry
+from foldckpt.safetensors_format import SAFETENSORS_DTYPES, TensorInfo, TensorSpec, file_size_for
+
+FOLD_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+SIDECAR_PREFIX = "foldckpt-"
+SIDECAR_METADATA = {"format": "pt", "producer": f"foldckpt {__version__}"}
+_DIRECT_DTYPES = ("BF16", "F16", "F32")
+_FP8_DTYPE = "F8_E4M3"
+_SCALE_DTYPES = ("F32", "BF16", "F16")
+_DEFAULT_FP8_BLOCK = (128, 128)
+
+
+@dataclass(frozen=True)
+class SourceWeight:
+    """One input of a fold: a weight tensor, plus its block scales when it is fp8."""
+
+    name: str
+    file: str
+    info: TensorInfo
+    scale: tuple[str, TensorInfo] | None = None
+    block: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    layer: MLALayer
+    q_b_proj: SourceWeight
+    kv_b_proj: SourceWeight
+    output: TensorSpec
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    name: str
+    layers: tuple[LayerPlan, ...]
+
+    @property
+    def specs(self) -> list[TensorSpec]:
+        return [layer.output for layer in self.layers]
+
+    @property
+    def size(self) -> int:
+        return file_size_for(self.specs, SIDECAR_METADATA)
+
+
+@dataclass(frozen=True)
+class ConversionPlan:
+    source: SourceCheckpoint
+    geometry: Geometry
+    fold_dtype: str
+    tp_sizes: tuple[int, ...]
+    shards: tuple[ShardPlan, ...]
+    files_to_place: tuple[str, ...]
+
+    @property
+    def layers(self) -> tuple[LayerPlan, ...]:
+        return tuple(layer for shard in self.shards for layer in shard.layers)
+
+    @property
+    def fold_bytes(self) -> int:
+        return sum(layer.output.nbytes for layer in self.layers)
+
+    @property
+    def sidecar_bytes(self) -> int:
+        return sum(shard.size for shard in self.shards)
+
+    def source_bytes(self) -> int:
+        return sum((self.source.model_dir / name).stat().st_size for name in self.files_to_place)
+
+    def extra_bytes_per_gpu(self) -> dict[int, int]:
+        """Fold weight each GPU holds on top of the original model, per tensor-parallel size."""
+        return {tp: self.fold_bytes // tp for tp in self.tp_sizes}
+
+
+def sidecar_name(number: int, total: int) -> str:
+    return f"{SIDECAR_PREFIX}{number:05d}-of-{total:05d}.safetensors"
+
+
+def _source_weight(
+    source: SourceCheckpoint, geometry: Geometry, layer: MLALayer, name: str, shape: tuple[int, int]
+) -> SourceWeight:
+    located = source.locate(name)
+    if located is None:
+        raise FoldckptError(f"{source.model_dir}: MLA layer {layer.index} has no tensor '{name}'")
+    file, info = located
+    where = f"{source.model_dir / file}: tensor '{name}'"
+    if info.shape != shape:
+        raise FoldckptError(
+            f"{where} has shape {list(info.shape)} but config.json implies {list(shape)} "
+            f"(heads={geometry.num_heads}, q_lora_rank={geometry.q_lora_rank}, "
+            f"kv_lora_rank={geometry.kv_lora_rank}, qk_nope={geometry.qk_nope_head_dim}, "
+            f"qk_rope={geometry.qk_rope_head_dim}, v_head={geometry.v_head_dim}); config and weights disagree"
+        )
+    if info.dtype in _DIRECT_DTYPES:
+        return SourceWeight(name, file, info)
+    if info.dtype != _FP8_DTYPE:
+        raise FoldckptError(
+            f"{where} has dtype {info.dtype}; foldckpt folds bf16/fp16/fp32 and fp8 e4m3 with "
+            "128x128 weight_scale_inv blocks only"
+        )
+    scale_name = f"{name}_scale_inv"
+    scale = source.locate(scale_name)
+    if scale is None:
+        raise FoldckptError(f"{where} is fp8 but '{scale_name}' is missing; cannot dequantize")
+    if scale[1].dtype not in _SCALE_DTYPES:
+        raise FoldckptError(
+            f"{source.model_dir / scale[0]}: tensor '{scale_name}' has dtype {scale[1].dtype}, expected F32"
+        )
+    block = geometry.weight_block_size or _DEFAULT_FP8_BLOCK
+    expected = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+    if scale[1].shape != expected:
+        raise FoldckptError(
+            f"{source.model_dir / scale[0]}: tensor '{scale_name}' has shape {list(scale[1].shape)}, "
+            f"expected {list(expected)} for {block[0]}x{block[1]} blocks"
+        )
+    return SourceWeight(name, file, info, scale=(scale[0], scale[1]), block=block)
+
+
+def _pack_shards(layers: list[LayerPlan], max_shard_size: int) -> tuple[ShardPlan, ...]:
+    """Greedy, order-preserving packing; a fold larger than the cap gets a shard of its own."""
+    groups: list[list[LayerPlan]] = [[]]
+    for layer in layers:
+        candidate = groups[-1] + [layer]
+        if groups[-1] and file_size_for([lp.output for lp in candidate], SIDECAR_METADATA) > max_shard_size:
+            groups.append([layer])
+        else:
+            groups[-1] = candidate
+    return tuple(
+        ShardPlan(sidecar_name(i + 1, len(groups)), tuple(group)) for i, group in enumerate(groups)
+    )
+
+
+def resolve_tp_sizes(geometry: Geometry, tp_sizes: tuple[int, ...] | None) -> tuple[int, ...]:
+    if not tp_sizes:
+        return geometry.valid_tp_sizes()
+    for tp in tp_sizes:
+        if tp <= 0 or geometry.num_heads % tp:
+            raise FoldckptError(
+                f"--tp {tp}: does not divide the model's {geometry.num_heads} attention heads"
+            )
+    return tuple(sorted(set(tp_sizes)))
+
+
+def plan_conversion(
+    model_dir: Path,
+    fold_dtype: str = "bfloat16",
+    max_shard_size: int = 5 * 1024**3,
+    tp_sizes: tuple[int, ...] | None = None,
+) -> ConversionPlan:
+    """Validate ``model_dir`` on headers alone and lay out the conversion."""
+    model_dir = Path(model_dir)
+    if fold_dtype not in FOLD_DTYPES:
+        raise FoldckptError(f"--fold-dtype {fold_dtype!r}: choose one of {', '.join(FOLD_DTYPES)}")
+    if max_shard_size <= 0:
+        raise FoldckptError("--max-shard-size must be positive")
+    geometry = read_geometry(model_dir)
+    source = open_source_checkpoint(model_dir)
+    if any(name.startswith(SIDECAR_PREFIX) for name in source.headers):
+        raise FoldckptError(f"{model_dir}: already holds foldckpt sidecars; convert the original model")
+    out_dtype = SAFETENSORS_DTYPES[FOLD_DTYPES[fold_dtype]]
+    layers = [
+        LayerPlan(
+            layer=layer,
+            q_b_proj=_source_weight(source, geometry, layer, layer.q_b_proj, geometry.q_b_proj_shape),
+            kv_b_proj=_source_weight(source, geometry, layer, layer.kv_b_proj, geometry.kv_b_proj_shape),
+            output=TensorSpec(layer.q_fold, out_dtype, geometry.fold_shape),
+        )
+        for layer in geometry.layers
+    ]
+    return ConversionPlan(
+        source=source,
+        geometry=geometry,
+        fold_dtype=fold_dtype,
+        tp_sizes=resolve_tp_sizes(geometry, tp_sizes),
+        shards=_pack_shards(layers, max_shard_size),
+        files_to_place=tuple(list_files_to_place(model_dir)),
+    )
