@@ -56,8 +56,12 @@ def allowed_roots(model_dir: Path) -> tuple[Path, ...]:
     return tuple(roots)
 
 
-def resolve_inside(model_dir: Path, name: str, where: str) -> Path:
-    """``model_dir / name`` after checking that ``name`` cannot escape the model directory."""
+def resolve_inside(model_dir: Path, name: str, where: str, external_links: bool = False) -> Path:
+    """``model_dir / name`` after checking that ``name`` cannot escape the model directory.
+
+    ``external_links`` lets symlinks point anywhere: only for foldckpt's own ``--link symlink``
+    outputs, whose files are then checked by content (sha256) against the manifest.
+    """
     if not isinstance(name, str) or not name or "\x00" in name:
         raise FoldckptError(f"{where}: invalid file name {name!r}")
     pure = PurePosixPath(name)
@@ -67,7 +71,7 @@ def resolve_inside(model_dir: Path, name: str, where: str) -> Path:
     if not path.exists():
         raise FoldckptError(f"{where}: refers to {name!r}, which does not exist in {model_dir}")
     real = path.resolve()
-    if not any(real.is_relative_to(root) for root in allowed_roots(model_dir)):
+    if not external_links and not any(real.is_relative_to(root) for root in allowed_roots(model_dir)):
         raise FoldckptError(
             f"{where}: {name!r} is a symlink to {real}, outside the model directory; refused"
         )
@@ -106,7 +110,7 @@ def _refuse_pickles(model_dir: Path) -> None:
     raise FoldckptError(f"{model_dir}: no {INDEX_NAME} or *.safetensors weights found")
 
 
-def open_source_checkpoint(model_dir: Path) -> SourceCheckpoint:
+def open_source_checkpoint(model_dir: Path, external_links: bool = False) -> SourceCheckpoint:
     """Validate the index and every shard header of ``model_dir``; read no tensor data."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -126,7 +130,7 @@ def open_source_checkpoint(model_dir: Path) -> SourceCheckpoint:
 
     headers: dict[str, SafetensorsHeader] = {}
     for file in files:
-        headers[file] = read_header(resolve_inside(model_dir, file, where))
+        headers[file] = read_header(resolve_inside(model_dir, file, where, external_links))
 
     if index_path is None:
         for file, header in headers.items():
@@ -145,7 +149,7 @@ def open_source_checkpoint(model_dir: Path) -> SourceCheckpoint:
     return SourceCheckpoint(model_dir, index_path, weight_map, headers)
 
 
-def list_files_to_place(model_dir: Path) -> list[str]:
+def list_files_to_place(model_dir: Path, external_links: bool = False) -> list[str]:
     """Every file of the model directory that the output must carry unchanged (relative POSIX
     names), skipping hidden entries such as ``.cache`` and ``.git``."""
     names: list[str] = []
@@ -153,6 +157,6 @@ def list_files_to_place(model_dir: Path) -> list[str]:
         relative = path.relative_to(model_dir)
         if any(part.startswith(".") for part in relative.parts) or path.is_dir():
             continue
-        resolve_inside(model_dir, relative.as_posix(), str(model_dir))
+        resolve_inside(model_dir, relative.as_posix(), str(model_dir), external_links)
         names.append(relative.as_posix())
     return names

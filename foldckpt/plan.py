@@ -167,15 +167,19 @@ def plan_conversion(
     fold_dtype: str = "bfloat16",
     max_shard_size: int = 5 * 1024**3,
     tp_sizes: tuple[int, ...] | None = None,
+    external_links: bool = False,
 ) -> ConversionPlan:
-    """Validate ``model_dir`` on headers alone and lay out the conversion."""
+    """Validate ``model_dir`` on headers alone and lay out the conversion.
+
+    ``external_links`` is for re-planning a ``--link symlink`` output in ``verify --deep``.
+    """
     model_dir = Path(model_dir)
     if fold_dtype not in FOLD_DTYPES:
         raise FoldckptError(f"--fold-dtype {fold_dtype!r}: choose one of {', '.join(FOLD_DTYPES)}")
     if max_shard_size <= 0:
         raise FoldckptError("--max-shard-size must be positive")
     geometry = read_geometry(model_dir)
-    source = open_source_checkpoint(model_dir)
+    source = open_source_checkpoint(model_dir, external_links)
     if any(name.startswith(SIDECAR_PREFIX) for name in source.headers):
         raise FoldckptError(f"{model_dir}: already holds foldckpt sidecars; convert the original model")
     out_dtype = SAFETENSORS_DTYPES[FOLD_DTYPES[fold_dtype]]
@@ -194,5 +198,5 @@ def plan_conversion(
         fold_dtype=fold_dtype,
         tp_sizes=resolve_tp_sizes(geometry, tp_sizes),
         shards=_pack_shards(layers, max_shard_size),
-        files_to_place=tuple(list_files_to_place(model_dir)),
+        files_to_place=tuple(list_files_to_place(model_dir, external_links)),
     )

@@ -114,7 +114,7 @@ def check_structure(out_dir: Path, manifest: Manifest) -> LevelResult:
                     f"manifest says {tensor.dtype}{list(tensor.shape)}"
                 )
     try:
-        open_source_checkpoint(out_dir)
+        open_source_checkpoint(out_dir, external_links=True)
         geometry = read_geometry(out_dir)
     except FoldckptError as exc:
         return _level("structure", [*problems, str(exc)], "")
@@ -180,7 +180,8 @@ def _sample_layers(count: int, sample: int | None) -> list[int]:
 
 def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> LevelResult:
     plan = plan_conversion(
-        out_dir, manifest.fold_dtype, int(manifest.parameters.get("max_shard_size", 5 * 1024**3)), manifest.tp_sizes
+        out_dir, manifest.fold_dtype, int(manifest.parameters.get("max_shard_size", 5 * 1024**3)), manifest.tp_sizes,
+        external_links=True,
     )
     tolerance = ROUNDING_TOLERANCE[FOLD_DTYPES[manifest.fold_dtype]]
     geometry = plan.geometry

@@ -1,0 +1,5 @@
+"""``python -m foldckpt`` runs the command line."""
+
+from foldckpt.cli import main
+
+main()

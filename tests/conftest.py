@@ -1,0 +1,47 @@
+"""Shared fixtures: real synthetic checkpoints on disk and a real ``foldckpt`` subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from foldckpt.convert import ConvertOptions, convert
+from foldckpt.synthetic import make_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_foldckpt(*args: str | Path, timeout: float = 300, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    """Run the real command line in a subprocess (exit codes and stderr as a user sees them)."""
+    return subprocess.run(
+        [sys.executable, "-m", "foldckpt", *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, check=False, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def make_model(tmp_path: Path) -> Callable[..., Path]:
+    """Factory: ``make_model("kimi_k3", layers=...)`` writes a synthetic checkpoint under tmp_path."""
+    counter = iter(range(1000))
+
+    def factory(family: str = "deepseek_v3", **kwargs: object) -> Path:
+        return make_checkpoint(tmp_path / f"model-{family}-{next(counter)}", family, **kwargs)  # type: ignore[arg-type]
+
+    return factory
+
+
+@pytest.fixture
+def converted(tmp_path: Path, make_model: Callable[..., Path]) -> Callable[..., tuple[Path, Path]]:
+    """Factory: a synthetic checkpoint and its conversion; returns (model_dir, out_dir)."""
+
+    def factory(family: str = "deepseek_v3", options: ConvertOptions | None = None, **kwargs: object) -> tuple[Path, Path]:
+        model_dir = make_model(family, **kwargs)
+        out_dir = tmp_path / f"{model_dir.name}-folded"
+        convert(model_dir, out_dir, options or ConvertOptions(progress=False))
+        return model_dir, out_dir
+
+    return factory

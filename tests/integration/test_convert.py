@@ -1,0 +1,150 @@
+"""End-to-end conversion of every family on real files: sidecars, manifest, originals, idempotence."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from foldckpt.checkpoint import INDEX_NAME
+from foldckpt.convert import ConvertOptions, convert
+from foldckpt.fold import ROUNDING_TOLERANCE, dequantize_fp8_blocks
+from foldckpt.geometry import read_geometry
+from foldckpt.manifest import MANIFEST_NAME, read_manifest
+from foldckpt.verify import VerifyOptions, verify
+from tests.conftest import run_foldckpt
+from tests.unit.test_fold import fp64_fold_of_head
+
+QUIET = ConvertOptions(progress=False)
+
+
+def load_source(model_dir: Path, name: str) -> torch.Tensor:
+    """A source weight through the real safetensors library, dequantized if it is fp8."""
+    weight_map = json.loads((model_dir / INDEX_NAME).read_text())["weight_map"]
+    with safe_open(str(model_dir / weight_map[name]), framework="pt") as handle:
+        tensor = handle.get_tensor(name)
+    if tensor.dtype == torch.float8_e4m3fn:
+        with safe_open(str(model_dir / weight_map[f"{name}_scale_inv"]), framework="pt") as handle:
+            tensor = dequantize_fp8_blocks(tensor, handle.get_tensor(f"{name}_scale_inv"), (128, 128), name)
+    return tensor
+
+
+@pytest.mark.parametrize(
+    ("family", "expected_layers"),
+    [("deepseek_v3", [0, 1]), ("deepseek_v3_fp8", [0, 1]), ("kimi_k25", [0, 1]), ("kimi_k3", [3, 5, 6])],
+)
+def test_every_family_converts_to_folds_equal_to_the_fp64_reference(
+    converted: Callable[..., tuple[Path, Path]], family: str, expected_layers: list[int]
+) -> None:
+    model_dir, out_dir = converted(family)
+    manifest = read_manifest(out_dir)
+    g = read_geometry(model_dir)
+    assert [t.layer_index for t in manifest.tensors.values()] == expected_layers
+    if family == "kimi_k3":
+        assert manifest.geometry.layers[-1].is_mtp
+    for tensor in manifest.tensors.values():
+        with safe_open(str(out_dir / tensor.file), framework="pt") as handle:
+            fold = handle.get_tensor(tensor.name)
+        assert fold.dtype == torch.bfloat16 and tuple(fold.shape) == g.fold_shape
+        q_b = load_source(model_dir, f"{tensor.layer_prefix}.self_attn.q_b_proj.weight")
+        kv_b = load_source(model_dir, f"{tensor.layer_prefix}.self_attn.kv_b_proj.weight")
+        heads = fold.reshape(g.num_heads, g.fold_head_dim, g.q_lora_rank)
+        for h in range(g.num_heads):
+            reference = fp64_fold_of_head(q_b, kv_b, g, h)
+            assert (heads[h].double() - reference).norm() / reference.norm() < ROUNDING_TOLERANCE[torch.bfloat16]
+        assert tensor.error["rel_fro_error"] < ROUNDING_TOLERANCE[torch.bfloat16]
+
+
+def test_a_layer_whose_inputs_straddle_two_shards_is_folded(converted: Callable[..., tuple[Path, Path]]) -> None:
+    _, out_dir = converted("deepseek_v3")
+    first = next(iter(read_manifest(out_dir).tensors.values()))
+    assert first.sources[0].file != first.sources[1].file
+
+
+def test_originals_are_byte_identical_hard_links_and_the_index_is_unchanged(
+    converted: Callable[..., tuple[Path, Path]],
+) -> None:
+    model_dir, out_dir = converted("kimi_k3")
+    originals = sorted(p.name for p in model_dir.iterdir())
+    for name in originals:
+        assert (out_dir / name).read_bytes() == (model_dir / name).read_bytes()
+        assert (out_dir / name).stat().st_ino == (model_dir / name).stat().st_ino
+    index = json.loads((out_dir / INDEX_NAME).read_text())
+    assert not any(file.startswith("foldckpt-") for file in index["weight_map"].values())
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(
+        [*originals, MANIFEST_NAME, "foldckpt-00001-of-00001.safetensors"]
+    )
+
+
+@pytest.mark.parametrize("link", ["copy", "symlink"])
+def test_copy_and_symlink_modes_carry_the_same_bytes(
+    converted: Callable[..., tuple[Path, Path]], link: str
+) -> None:
+    model_dir, out_dir = converted("deepseek_v3", ConvertOptions(progress=False, link=link))
+    for source in model_dir.iterdir():
+        placed = out_dir / source.name
+        assert placed.read_bytes() == source.read_bytes()
+        assert placed.is_symlink() == (link == "symlink")
+        if link == "copy":
+            assert placed.stat().st_ino != source.stat().st_ino
+    assert verify(out_dir, VerifyOptions(progress=False)).ok
+
+
+def test_rank_hashes_and_sidecar_sharding(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    model_dir = make_model("kimi_k3", layers=8)
+    out_dir = tmp_path / "out"
+    result = convert(model_dir, out_dir, ConvertOptions(progress=False, max_shard_size=700_000, tp_sizes=(2, 8)))
+    manifest = read_manifest(out_dir)
+    assert len(result.sidecars) == len(manifest.tensors) == 3  # MLA at 4 and 8 (1-based, 8 is the last) + MTP
+    assert manifest.tp_sizes == (2, 8)
+    tensor = next(iter(manifest.tensors.values()))
+    assert len(tensor.rank_sha256[8]) == 8
+    for rank in range(8):
+        assert verify(out_dir, VerifyOptions(progress=False, rank=rank, tp=8)).ok
+
+
+def test_rerun_is_idempotent(converted: Callable[..., tuple[Path, Path]]) -> None:
+    model_dir, out_dir = converted("deepseek_v3")
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out_dir.iterdir()}
+    result = convert(model_dir, out_dir, QUIET)
+    assert result.up_to_date and result.layers_folded == 0
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out_dir.iterdir()} == before
+
+
+def test_float32_fold_is_within_fp32_rounding(converted: Callable[..., tuple[Path, Path]]) -> None:
+    _, out_dir = converted("deepseek_v3", ConvertOptions(progress=False, fold_dtype="float32"))
+    manifest = read_manifest(out_dir)
+    assert manifest.fold_dtype == "float32"
+    assert all(t.dtype == "F32" and t.error["rel_fro_error"] < 1e-6 for t in manifest.tensors.values())
+
+
+def test_cli_dry_run_reports_the_plan_and_writes_nothing(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    model_dir = make_model("kimi_k3")
+    out_dir = tmp_path / "never"
+    run = run_foldckpt("convert", model_dir, out_dir, "--dry-run", "--tp", "1,2,4,8")
+    assert run.returncode == 0, run.stderr
+    assert "MLA layers 3: 3, 5, 6 (mtp)" in run.stdout
+    assert "GPU memory extra per rank: TP1 1.8 MB, TP2 884.7 KB, TP4 442.4 KB, TP8 221.2 KB" in run.stdout
+    assert not out_dir.exists()
+
+
+def test_cli_convert_verify_inspect(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    model_dir = make_model("deepseek_v3_fp8")
+    out_dir = tmp_path / "out"
+    run = run_foldckpt("convert", model_dir, out_dir, "--quiet", "--json")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["layers_folded"] == 2
+    run = run_foldckpt("verify", out_dir, "--deep", "--quiet")
+    assert run.returncode == 0 and "verified" in run.stdout, run.stdout + run.stderr
+    run = run_foldckpt("inspect", out_dir)
+    assert run.returncode == 0 and "fold       2/2 layers, bfloat16" in run.stdout
+
+
+def test_cli_bad_tp_is_a_one_line_error(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    run = run_foldckpt("convert", make_model("deepseek_v3"), tmp_path / "out", "--tp", "3")
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == ["foldckpt: error: --tp 3: does not divide the model's 8 attention heads"]

@@ -1,0 +1,105 @@
+"""The fold math against fp64 references: per head, on random inputs, and per TP rank."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from foldckpt.errors import FoldckptError
+from foldckpt.fold import ROUNDING_TOLERANCE, dequantize_fp8_blocks, fold_error, fold_layer, probe_error, sample_heads
+from foldckpt.geometry import Geometry, MLALayer
+
+TINY = Geometry("deepseek", "DeepseekV3ForCausalLM", num_heads=8, q_lora_rank=64, kv_lora_rank=512,
+                qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, layers=(MLALayer(0, "model.layers.0"),))  # fmt: skip
+# Kimi-K3's per-head dimensions (fewer heads to stay fast).
+K3_HEADS = replace(TINY, num_heads=4, q_lora_rank=1536, qk_nope_head_dim=128, v_head_dim=128)
+
+
+def random_weights(g: Geometry, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    q_b = torch.randn(g.q_b_proj_shape, generator=generator) / g.q_lora_rank**0.5
+    kv_b = torch.randn(g.kv_b_proj_shape, generator=generator) / g.kv_lora_rank**0.5
+    return q_b.to(dtype), kv_b.to(dtype)
+
+
+def fp64_fold_of_head(q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, h: int) -> torch.Tensor:
+    """Straight from the formula, one head at a time, with explicit row ranges."""
+    p, r, v = g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim
+    q_b, kv_b = q_b.double(), kv_b.double()
+    w_qb_nope = q_b[h * (p + r) : h * (p + r) + p]  # [P, Lq]
+    w_qb_pe = q_b[h * (p + r) + p : (h + 1) * (p + r)]  # [R, Lq]
+    w_uk = kv_b[h * (p + v) : h * (p + v) + p]  # [P, L]
+    return torch.cat([w_uk.T @ w_qb_nope, w_qb_pe])  # [L+R, Lq]
+
+
+@pytest.mark.parametrize("geometry", [TINY, K3_HEADS], ids=["tiny", "k3-heads"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_fold_matches_fp64_reference_per_head(geometry: Geometry, out_dtype: torch.dtype) -> None:
+    q_b, kv_b = random_weights(geometry)
+    fold = fold_layer(q_b, kv_b, geometry, out_dtype).reshape(geometry.num_heads, geometry.fold_head_dim, -1)
+    assert fold.dtype == out_dtype
+    for h in range(geometry.num_heads):
+        reference = fp64_fold_of_head(q_b, kv_b, geometry, h)
+        error = (fold[h].double() - reference).norm() / reference.norm()
+        assert error < ROUNDING_TOLERANCE[out_dtype], f"head {h}: {error}"
+        # The rope rows are copied, not computed: exact.
+        assert torch.equal(fold[h, geometry.kv_lora_rank :], q_b.reshape(geometry.num_heads, -1, geometry.q_lora_rank)[h, geometry.qk_nope_head_dim :].to(out_dtype))
+
+
+def test_fold_reproduces_the_two_step_query_on_random_inputs() -> None:
+    g = K3_HEADS
+    q_b, kv_b = random_weights(g, seed=1, dtype=torch.float32)
+    fold = fold_layer(q_b, kv_b, g, torch.float32)
+    x = torch.randn(5, g.q_lora_rank, dtype=torch.float64)
+    p, r, v = g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim
+    q = (x @ q_b.double().T).reshape(5, g.num_heads, p + r)
+    w_uk = kv_b.double().reshape(g.num_heads, p + v, g.kv_lora_rank)[:, :p]
+    expected = torch.cat([torch.einsum("thp,hpl->thl", q[..., :p], w_uk), q[..., p:]], dim=-1)
+    got = (x @ fold.double().T).reshape(5, g.num_heads, g.fold_head_dim)
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-6
+    assert probe_error(fold, q_b, kv_b, g) < 1e-6
+
+
+def test_fold_error_reports_a_corrupted_head() -> None:
+    q_b, kv_b = random_weights(TINY)
+    fold = fold_layer(q_b, kv_b, TINY, torch.float32)
+    assert fold_error(fold, q_b, kv_b, TINY, (0, 7)).rel_fro_error < 1e-6
+    fold[7 * TINY.fold_head_dim + 3, 5] += 1.0
+    assert fold_error(fold, q_b, kv_b, TINY, (7,)).max_abs_error == pytest.approx(1.0, rel=1e-3)
+    assert probe_error(fold, q_b, kv_b, TINY) > 1e-4
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_tp_row_slices_are_exactly_each_ranks_heads(tp: int) -> None:
+    g = TINY
+    q_b, kv_b = random_weights(g, seed=2)
+    fold = fold_layer(q_b, kv_b, g)
+    local = replace(g, num_heads=g.num_heads // tp)
+    q_rows, kv_rows = q_b.shape[0] // tp, kv_b.shape[0] // tp
+    for rank in range(tp):
+        start, stop = g.rank_rows(tp, rank)
+        # What rank r computes from ITS q_b_proj / kv_b_proj shards (vLLM's ColumnParallelLinear split).
+        expected = fold_layer(q_b[rank * q_rows : (rank + 1) * q_rows], kv_b[rank * kv_rows : (rank + 1) * kv_rows], local)
+        assert torch.equal(fold[start:stop], expected)
+
+
+def test_rank_rows_rejects_sizes_that_do_not_divide_the_heads() -> None:
+    with pytest.raises(FoldckptError, match="does not divide"):
+        TINY.rank_rows(3, 0)
+
+
+def test_fp8_block_dequantization_applies_each_blocks_scale() -> None:
+    weight = torch.ones(200, 300).to(torch.float8_e4m3fn)
+    scale = torch.arange(1, 7, dtype=torch.float32).reshape(2, 3)
+    out = dequantize_fp8_blocks(weight, scale, (128, 128), "w")
+    assert out.dtype == torch.float32
+    assert out[0, 0] == 1 and out[127, 127] == 1 and out[128, 0] == 4 and out[199, 299] == 6 and out[5, 256] == 3
+    with pytest.raises(FoldckptError, match="w_scale_inv"):
+        dequantize_fp8_blocks(weight, scale[:1], (128, 128), "w")
+
+
+def test_sample_heads_spreads_and_includes_both_ends() -> None:
+    assert sample_heads(96) == (0, 32, 63, 95)
+    assert sample_heads(3) == (0, 1, 2)

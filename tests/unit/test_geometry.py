@@ -1,0 +1,92 @@
+"""Geometry from config.json for every supported family, and the errors for the rest."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from foldckpt.errors import FoldckptError
+from foldckpt.geometry import geometry_from_config
+
+DEEPSEEK_V3: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "num_attention_heads": 128, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+    "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+}  # fmt: skip
+KIMI_K3: dict[str, Any] = {
+    "architectures": ["KimiK3ForConditionalGeneration"],
+    "text_config": {
+        "num_attention_heads": 96, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "num_hidden_layers": 93, "mla_use_nope": True,
+        "num_nextn_predict_layers": 0,
+        "linear_attn_config": {"kda_layers": [i for i in range(1, 94) if i % 4 and i != 93],
+                               "full_attn_layers": [*range(4, 93, 4), 93]},
+    },
+}  # fmt: skip
+
+
+def test_deepseek_v3_every_layer_and_the_mtp_layer() -> None:
+    g = geometry_from_config(DEEPSEEK_V3)
+    assert g.family == "deepseek" and g.num_heads == 128 and g.uses_rope
+    assert [layer.index for layer in g.layers] == list(range(62))
+    assert g.layers[-1].is_mtp and g.layers[-1].prefix == "model.layers.61"
+    assert g.layers[7].q_b_proj == "model.layers.7.self_attn.q_b_proj.weight"
+    assert g.layers[7].q_fold == "model.layers.7.self_attn.q_fold.weight"
+    assert g.fold_shape == (128 * 576, 1536) and g.weight_block_size == (128, 128)
+
+
+def test_kimi_k3_mla_layers_are_the_non_kda_layers_one_indexed() -> None:
+    g = geometry_from_config(KIMI_K3)
+    assert g.family == "kimi_k3" and not g.uses_rope
+    # full_attn_layers are 1-based [4, 8, ..., 92, 93] -> 0-based indices 3, 7, ..., 91, 92.
+    assert [layer.index for layer in g.layers] == [*range(3, 92, 4), 92]
+    assert len(g.layers) == 24
+    assert g.layers[0].prefix == "language_model.model.layers.3"
+    assert g.fold_shape == (96 * 576, 1536)
+    assert g.valid_tp_sizes() == (1, 2, 4, 8, 16)
+    assert g.rank_rows(8, 1) == (12 * 576, 24 * 576)
+
+
+def test_kimi_k25_uses_the_language_model_prefix() -> None:
+    config = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": {**DEEPSEEK_V3, "num_nextn_predict_layers": 0}}
+    g = geometry_from_config(config)
+    assert g.family == "kimi_k25" and g.layers[0].prefix == "language_model.model.layers.0"
+
+
+def test_geometry_round_trips_through_the_manifest_dict() -> None:
+    g = geometry_from_config(KIMI_K3)
+    assert type(g).from_dict(g.to_dict()) == g
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c.update(architectures=["LlamaForCausalLM"]), "unsupported architecture"),
+        (lambda c: c.update(q_lora_rank=None), "q_lora_rank is not set"),
+        (lambda c: c.update(num_attention_heads=0), "num_attention_heads"),
+        (lambda c: c.update(kv_lora_rank="512"), "kv_lora_rank"),
+        (lambda c: c.update(num_nextn_predict_layers=-1), "num_nextn_predict_layers"),
+    ],
+)
+def test_bad_deepseek_configs_are_refused(edit: Any, message: str) -> None:
+    config = copy.deepcopy(DEEPSEEK_V3)
+    edit(config)
+    with pytest.raises(FoldckptError, match=message):
+        geometry_from_config(config)
+
+
+def test_kimi_k3_with_only_kda_layers_has_nothing_to_fold() -> None:
+    config = copy.deepcopy(KIMI_K3)
+    config["text_config"]["linear_attn_config"]["kda_layers"] = list(range(1, 94))
+    with pytest.raises(FoldckptError, match="no MLA layer"):
+        geometry_from_config(config)
+
+
+def test_kimi_k3_kda_layers_out_of_range_are_refused() -> None:
+    config = copy.deepcopy(KIMI_K3)
+    config["text_config"]["linear_attn_config"]["kda_layers"] = [0, 1]
+    with pytest.raises(FoldckptError, match="1-based"):
+        geometry_from_config(config)
