@@ -9,13 +9,13 @@ symlink into the same repository's ``blobs/`` folder.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import torch
 
 from foldckpt.errors import FoldckptError
+from foldckpt.files import read_json_file
 from foldckpt.safetensors_format import SafetensorsHeader, TensorInfo, read_header, read_tensor
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -81,17 +81,7 @@ def resolve_inside(model_dir: Path, name: str, where: str, external_links: bool 
 
 
 def _read_index(path: Path) -> dict[str, str]:
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(_MAX_INDEX_BYTES + 1)
-    except OSError as exc:
-        raise FoldckptError(f"{path}: cannot read: {exc.strerror}") from None
-    if len(raw) > _MAX_INDEX_BYTES:
-        raise FoldckptError(f"{path}: larger than {_MAX_INDEX_BYTES} bytes; not an index")
-    try:
-        index = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FoldckptError(f"{path}: invalid JSON: {exc}") from None
+    index = read_json_file(path, _MAX_INDEX_BYTES, "a safetensors index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()

@@ -80,6 +80,23 @@ def atomic_write_json(path: Path, data: Any) -> None:
         handle.write((json.dumps(data, indent=2, sort_keys=False) + "\n").encode("utf-8"))
 
 
+def read_json_file(path: Path, max_bytes: int, what: str, missing_hint: str = "") -> Any:
+    """Parse a JSON file of at most ``max_bytes`` (a hostile file cannot exhaust memory)."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(max_bytes + 1)
+    except FileNotFoundError:
+        raise FoldckptError(f"{path}: not found{'; ' + missing_hint if missing_hint else ''}") from None
+    except OSError as exc:
+        raise FoldckptError(f"{path}: cannot read: {exc.strerror}") from None
+    if len(raw) > max_bytes:
+        raise FoldckptError(f"{path}: larger than {max_bytes} bytes; not {what}")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FoldckptError(f"{path}: invalid JSON ({exc}); not {what}") from None
+
+
 def sha256_file(path: Path, progress: Callable[[int], object] | None = None) -> str:
     """sha256 of a whole file, read in large chunks (hashlib releases the GIL, so threads scale)."""
     digest = hashlib.sha256()

@@ -18,12 +18,12 @@ Families:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from foldckpt.errors import FoldckptError
+from foldckpt.files import read_json_file
 
 CONFIG_NAME = "config.json"
 _MAX_CONFIG_BYTES = 16 * 1024 * 1024
@@ -259,20 +259,9 @@ def geometry_from_config(config: dict[str, Any], where: str = CONFIG_NAME) -> Ge
 
 def read_config(model_dir: Path) -> dict[str, Any]:
     """Parse ``config.json`` with a size limit and one-line errors."""
-    path = Path(model_dir) / CONFIG_NAME
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(_MAX_CONFIG_BYTES + 1)
-    except FileNotFoundError:
-        raise FoldckptError(f"{path}: not found; is this a Hugging Face model directory?") from None
-    except OSError as exc:
-        raise FoldckptError(f"{path}: cannot read: {exc.strerror}") from None
-    if len(raw) > _MAX_CONFIG_BYTES:
-        raise FoldckptError(f"{path}: larger than {_MAX_CONFIG_BYTES} bytes; not a model config")
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FoldckptError(f"{path}: invalid JSON: {exc}") from None
+    return read_json_file(
+        Path(model_dir) / CONFIG_NAME, _MAX_CONFIG_BYTES, "a model config", "is this a Hugging Face model directory?"
+    )
 
 
 def read_geometry(model_dir: Path) -> Geometry:

@@ -7,14 +7,13 @@ timestamps), so an interrupted-then-resumed conversion produces the same bytes a
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from foldckpt import __version__
 from foldckpt.errors import FoldckptError
-from foldckpt.files import atomic_write_json
+from foldckpt.files import atomic_write_json, read_json_file
 from foldckpt.geometry import Geometry
 
 MANIFEST_NAME = "foldckpt.json"
@@ -157,21 +156,9 @@ def write_manifest(out_dir: Path, manifest: Manifest) -> None:
 def read_manifest(out_dir: Path) -> Manifest:
     """Load and validate ``foldckpt.json`` of a converted directory."""
     path = Path(out_dir) / MANIFEST_NAME
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(_MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
-        raise FoldckptError(
-            f"{path}: not found; {out_dir} is not a finished foldckpt conversion"
-        ) from None
-    except OSError as exc:
-        raise FoldckptError(f"{path}: cannot read: {exc.strerror}") from None
-    if len(raw) > _MAX_MANIFEST_BYTES:
-        raise FoldckptError(f"{path}: larger than {_MAX_MANIFEST_BYTES} bytes; not a foldckpt manifest")
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FoldckptError(f"{path}: invalid JSON: {exc}") from None
+    data = read_json_file(
+        path, _MAX_MANIFEST_BYTES, "a foldckpt manifest", f"{out_dir} is not a finished foldckpt conversion"
+    )
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         raise FoldckptError(f"{path}: not a foldckpt manifest")
     if data.get("format_version") != FORMAT_VERSION:
