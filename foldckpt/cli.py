@@ -116,7 +116,7 @@ def _print_convert(result: ConvertResult) -> None:
               help="Dtype of the stored fold (accumulation is always fp32, rounded once).")  # fmt: skip
 @click.option("--max-shard-size", type=ByteSize(), default=DEFAULT_MAX_SHARD_SIZE, show_default="5GiB",
               help="Cap on each sidecar shard's size.")  # fmt: skip
-@click.option("--tp", "tp_sizes", multiple=True, callback=_parse_tp,
+@click.option("--tp", "tp_sizes", multiple=True, callback=_parse_tp, metavar="N[,N...]",
               help="Tensor-parallel sizes to record per-rank slice hashes for (default: 1,2,4,8,16 that divide H).")  # fmt: skip
 @click.option("--link", type=click.Choice(LINK_MODES), default="auto", show_default=True,
               help="How source files appear in OUT_DIR: hard link (auto: when on the same filesystem), copy, symlink.")  # fmt: skip

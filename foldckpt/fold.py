@@ -66,14 +66,19 @@ def _fold_heads(q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry) -> torch.Ten
 def fold_layer(
     q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, out_dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """The head-major fold ``[H*(L+R), Lq]`` of one layer: fp32 accumulation, one rounding."""
+    """The head-major fold ``[H*(L+R), Lq]`` of one layer: fp32 accumulation, one rounding.
+
+    The products are written straight into the output (the copy is the single rounding), and the
+    rope rows are copied, so the fp32 working set is one chunk of heads.
+    """
     q_heads, kv_heads = _per_head(q_b, kv_b, g)
+    p, lora = g.qk_nope_head_dim, g.kv_lora_rank
     out = torch.empty(g.num_heads, g.fold_head_dim, g.q_lora_rank, dtype=out_dtype)
+    out[:, lora:] = q_heads[:, p:]
     for start in range(0, g.num_heads, _HEADS_PER_CHUNK):
         chunk = slice(start, start + _HEADS_PER_CHUNK)
-        out[chunk] = _fold_heads(
-            q_heads[chunk].to(torch.float32), kv_heads[chunk].to(torch.float32), g
-        ).to(out_dtype)
+        w_uk_t = kv_heads[chunk, :p].transpose(1, 2).to(torch.float32)  # [n, L, P]
+        out[chunk, :lora] = torch.matmul(w_uk_t, q_heads[chunk, :p].to(torch.float32))
     return out.reshape(g.fold_shape)
 
 
