@@ -1,0 +1,231 @@
+"""Triton kernel for the decode fold GEMM ``y = x · Wᵀ`` at small M (1..256 tokens).
+
+Why a kernel of our own: at decode the fold GEMM is a stream over W (21 MB for Kimi-K3 at TP8)
+with almost no arithmetic, so its time is set by how fast 132 SMs pull W from HBM, not by FLOPs
+(cuBLAS took 8.1 µs there at M <= 14, against a 5.1 µs copy-bandwidth floor). This kernel is
+shaped for streaming:
+
+- swap-AB: each program computes ``acc[BLOCK_N, BLOCK_M] = W_tile · x_tileᵀ``, so the large N
+  dimension feeds the MMA's M side (wgmma wants 64 rows) and the token count is the MMA's
+  narrow N side (16..256); W is never padded, only x is.
+- split-K with the reduction inside the same launch: the grid is ``row_tiles × split_k`` so the
+  SMs can get several waves. Each split stores an fp32 partial into a workspace and bumps a
+  per-tile arrival counter; the last arrival sums all partials in split order (so the result is
+  bit-reproducible whichever split arrives last), writes the output once and resets the counter
+  to zero. One launch, no memset, and a CUDA graph can replay it forever.
+- ragged row ownership: a program may own fewer rows than its tile (``rows_per_prog``), which
+  spreads W evenly over all SMs without any reduction.
+- W is read once (``evict_first``), x is re-read by every program (``evict_last``); W comes in
+  either through pointers (16-byte cp.async, pipelined ``num_stages`` deep) or a TMA descriptor.
+
+What the H200 search found (docs/bench/tune_nvidia_h200.*): split-K always loses, by about 2 µs at
+2 splits and up to 8 µs at 12, which is the latency of the store/atomic/reload reduction on a
+~7 µs kernel; ragged rows gain nothing measurable, so HBM, not per-SM streaming, is the limit.
+The winners are whole 64-row programs (108 for Kimi-K3 TP8) with 4-6 stages of 16 KB. They sit
+about 1.2 µs above floor + empty-kernel cost: first-load latency and the tail.
+
+The workspace and counters live per device and are shared by all calls, so calls on one device
+must be stream-ordered with respect to each other (one stream at a time, as in a vLLM worker).
+Reserve them before CUDA graph capture (``reserve_workspace``, done by ``warmup_fold_gemm``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from foldckpt.runtime.kernels.tuning import KernelConfig
+
+__all__ = ["launch_fold_gemm", "reserve_workspace", "workspace_ready", "workspace_needs"]
+
+
+# Nothing that varies per call is specialised: one compile per config serves every M, split
+# and x/out row stride, so warm-up covers all of them and graph capture never compiles.
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym", "rows_per_prog", "k_iters", "split_k"])
+def _fold_gemm_kernel(
+    x_ptr,
+    w_src,
+    y_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    rows_per_prog,
+    k_iters,
+    split_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    # Splits of one n-tile are adjacent program ids: they run at the same time, so the partials
+    # the last one reads back are still in L2.
+    pid_n = pid // split_k
+    pid_k = pid - pid_n * split_k
+    # A program owns rows_per_prog <= BLOCK_N rows: fewer than BLOCK_N spreads W evenly over all
+    # SMs (e.g. 53 rows on 131 programs instead of 64 rows on 108) with no split-K reduction.
+    offs_r = tl.arange(0, BLOCK_N)
+    offs_n = pid_n * rows_per_prog + offs_r
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = (offs_r < rows_per_prog) & (offs_n < N)
+    m_mask = offs_m < M
+    # k_iters * BLOCK_K rather than a split length: the product keeps BLOCK_K divisibility, so the
+    # compiler can prove 16-byte alignment of every W/x row chunk (vector loads, cp.async).
+    k_lo = pid_k * k_iters * BLOCK_K
+
+    # The host guarantees 16-byte aligned rows (stride a multiple of 8 elements): tell the
+    # compiler so the x loads and y stores stay vectorised although the stride is not specialised.
+    x_rows = tl.multiple_of(offs_m * stride_xm, 8)
+    x_ptrs = x_ptr + x_rows[:, None] + (k_lo + offs_k)[None, :]
+    if not USE_TMA:
+        w_ptrs = w_src + offs_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for i in range(0, k_iters):
+        if USE_TMA:
+            w = w_src.load([pid_n * rows_per_prog, k_lo + i * BLOCK_K])
+        elif EVEN_N:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
+        xk = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0, eviction_policy="evict_last")
+        acc = tl.dot(w, tl.trans(xk), acc)
+        x_ptrs += BLOCK_K
+        if not USE_TMA:
+            w_ptrs += BLOCK_K
+
+    y_rows = tl.multiple_of(offs_m * stride_ym, 8)
+    y_ptrs = y_ptr + y_rows[None, :] + offs_n[:, None]
+    y_mask = m_mask[None, :] & n_mask[:, None]
+    if split_k == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        tile = pid_m * tl.cdiv(N, rows_per_prog) + pid_n
+        tile_elems: tl.constexpr = BLOCK_N * BLOCK_M
+        # Partial layout [BLOCK_M, BLOCK_N]: rows of padded tokens (m >= M) are skipped whole.
+        part_offs = tl.arange(0, BLOCK_M)[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+        part_base = ws_ptr + tile.to(tl.int64) * split_k * tile_elems
+        tl.store(part_base + pid_k * tile_elems + part_offs, acc, mask=m_mask[None, :])
+        # Every thread's partial store happens-before the one release below.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:
+            # Sum every partial, this program's own too, in split order: the result does not
+            # depend on which split arrived last, and acc is dead here (no second accumulator).
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in range(0, split_k):
+                # .cg reads L2: other SMs wrote these and L1 is not coherent.
+                total += tl.load(
+                    part_base + s * tile_elems + part_offs, mask=m_mask[None, :], other=0.0, cache_modifier=".cg"
+                )
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@dataclass
+class _Workspace:
+    """fp32 partials and int32 arrival counters (all zero between launches) of one device."""
+
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+
+_WORKSPACES: dict[int, _Workspace] = {}
+# Buffers replaced by a larger reservation stay referenced: a CUDA graph captured earlier still
+# holds their addresses, and freeing them would let its replays write into reused memory.
+_RETIRED: list[_Workspace] = []
+
+
+def workspace_needs(m: int, n: int, cfg: KernelConfig) -> tuple[int, int]:
+    """(fp32 partial elements, counters) one launch of ``cfg`` at ``m`` x ``n`` uses.
+
+    At least one of each even without split-K: the kernel's split branch is compiled for every
+    config (split_k is a run-time argument), so its pointers must always have their real types.
+    """
+    if cfg.split_k == 1:
+        return 1, 1
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.rows(n))
+    return tiles * cfg.split_k * cfg.block_n * cfg.block_m, tiles
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def workspace_ready(device: torch.device, partial_elems: int, counter_elems: int) -> bool:
+    """Whether the reserved workspace of ``device`` is large enough (no allocation)."""
+    ws = _WORKSPACES.get(_device_index(device))
+    return ws is not None and ws.partials.numel() >= partial_elems and ws.counters.numel() >= counter_elems
+
+
+def reserve_workspace(device: torch.device, partial_elems: int, counter_elems: int) -> None:
+    """Grow the device's workspace to at least the given sizes (allocates; not during capture)."""
+    if workspace_ready(device, partial_elems, counter_elems):
+        return
+    index = _device_index(device)
+    old = _WORKSPACES.get(index)
+    if old is not None:
+        partial_elems = max(partial_elems, old.partials.numel())
+        counter_elems = max(counter_elems, old.counters.numel())
+        _RETIRED.append(old)
+    dev = torch.device("cuda", index)
+    _WORKSPACES[index] = _Workspace(
+        partials=torch.empty(partial_elems, dtype=torch.float32, device=dev),
+        counters=torch.zeros(counter_elems, dtype=torch.int32, device=dev),
+    )
+
+
+def launch_fold_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: KernelConfig) -> None:
+    """Write ``x · weightᵀ`` into ``out`` with the Triton kernel (no host sync).
+
+    Preconditions (checked by the dispatcher, not here, to keep the hot path short): bf16/fp16
+    ``x`` [M, K] and ``out`` [M, N] with unit column stride and 16-byte aligned rows, ``weight``
+    [N, K] contiguous, ``K % (split_k * block_k) == 0``, and the workspace reserved
+    (``reserve_workspace`` with ``workspace_needs``).
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    # A single row's stride is never used; any multiple of 8 satisfies the in-kernel hint.
+    stride_xm = x.stride(0) if m > 1 else 0
+    stride_ym = out.stride(0) if m > 1 else 0
+    ws = _WORKSPACES[_device_index(x.device)]
+    if cfg.use_tma:
+        # Built per call (a few µs of host time, nothing on the device): a cache would pin weights.
+        w_src = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
+    else:
+        w_src = weight
+    rows = cfg.rows(n)
+    grid = (triton.cdiv(n, rows) * cfg.split_k, triton.cdiv(m, cfg.block_m))
+    _fold_gemm_kernel[grid](
+        x,
+        w_src,
+        out,
+        ws.partials,
+        ws.counters,
+        m,
+        n,
+        stride_xm,
+        weight.stride(0),
+        stride_ym,
+        rows,
+        k // (cfg.split_k * cfg.block_k),
+        cfg.split_k,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        EVEN_N=rows == cfg.block_n and n % rows == 0,
+        USE_TMA=cfg.use_tma,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )

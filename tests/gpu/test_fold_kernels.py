@@ -1,0 +1,180 @@
+"""GPU tests of the fold GEMM kernels, the dispatcher and the pre-route threshold.
+
+Run on a CUDA machine: ``pytest -m gpu tests/gpu``. Every output buffer is poisoned with NaN
+first, so an element the kernel forgot to write fails the error check.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from foldckpt.runtime.kernels import fold_gemm, fold_route_max_tokens, gpu_key, warmup_fold_gemm
+from foldckpt.runtime.kernels.reference import MlaDims
+from foldckpt.runtime.kernels.tuning import (
+    ENV_FOLD_MAX_TOKENS,
+    TRITON_MAX_M,
+    UNKNOWN_GPU_FOLD_MAX_TOKENS,
+    KernelConfig,
+    load_table,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+K = 1536
+# Kimi-K3 TP16 / TP8 / TP4 and DeepSeek-V3 TP8 fold shapes.
+SHAPES = tuple(MlaDims(h).fold_rows for h in (6, 12, 24, 16))
+BENCH_MS = (1, 2, 4, 8, 14, 28, 56, 112, 224)
+ODD_MS = (1, 3, 7, 13, 57, 129, 255)
+# bf16 output rounding alone gives ~1e-3; a wrong tile or a lost split gives O(1).
+MAX_RELERR = 4e-3
+# Fixed configs covering every kernel path (mma.sync / wgmma, split or not, TMA or pointers,
+# ragged row ownership, several M tiles) independent of what the tuner picked.
+FIXED_CONFIGS = (
+    KernelConfig(16, 32, 128, 1, 4, 4),
+    KernelConfig(16, 64, 128, 4, 4, 4),
+    KernelConfig(16, 128, 64, 3, 4, 4, use_tma=True),
+    KernelConfig(64, 128, 128, 2, 8, 3),
+    KernelConfig(128, 128, 64, 6, 8, 3, use_tma=True),
+    KernelConfig(16, 64, 128, 1, 4, 5, rows_per_program=53),
+    KernelConfig(64, 64, 64, 2, 4, 4, rows_per_program=37),
+)
+
+
+def relerr(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    ref = x.double() @ w.double().t()
+    diff = out.double() - ref
+    if not torch.isfinite(diff).all():
+        return float("inf")
+    return (diff.norm() / ref.norm()).item()
+
+
+def table_configs(device: torch.device, n: int) -> tuple[KernelConfig, ...]:
+    table = load_table(gpu_key(device))
+    entry = table.shapes.get((n, K)) if table is not None else None
+    return tuple(b.config for b in entry.buckets) if entry is not None else ()
+
+
+@pytest.mark.parametrize("n", SHAPES)
+def test_kernel_matches_fp64(cuda: torch.device, gen: torch.Generator, n: int) -> None:
+    triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
+    w = torch.randn(n, K, device=cuda, generator=gen).bfloat16()
+    for cfg in FIXED_CONFIGS + table_configs(cuda, n):
+        for m in sorted(set(BENCH_MS + ODD_MS)):
+            x = torch.randn(m, K, device=cuda, generator=gen).bfloat16()
+            y = torch.full((m, n), float("nan"), device=cuda, dtype=torch.bfloat16)
+            triton_gemm.reserve_workspace(cuda, *triton_gemm.workspace_needs(m, n, cfg))
+            triton_gemm.launch_fold_gemm(x, w, y, cfg)
+            err = relerr(y, x, w)
+            assert err < MAX_RELERR, f"N={n} M={m} {cfg}: relerr {err}"
+
+
+def test_split_k_is_deterministic_and_resets_counters(cuda: torch.device, gen: torch.Generator) -> None:
+    triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
+    n, m, cfg = SHAPES[1], 57, KernelConfig(64, 64, 128, 6, 4, 4)
+    w = torch.randn(n, K, device=cuda, generator=gen).bfloat16()
+    x = torch.randn(m, K, device=cuda, generator=gen).bfloat16()
+    triton_gemm.reserve_workspace(cuda, *triton_gemm.workspace_needs(m, n, cfg))
+    outs = []
+    for _ in range(20):
+        y = torch.full((m, n), float("nan"), device=cuda, dtype=torch.bfloat16)
+        triton_gemm.launch_fold_gemm(x, w, y, cfg)
+        outs.append(y)
+    assert all(torch.equal(outs[0], o) for o in outs[1:]), "split-K sum order must not depend on arrival order"
+    assert relerr(outs[0], x, w) < MAX_RELERR
+    torch.cuda.synchronize()
+    assert int(triton_gemm._WORKSPACES[cuda.index or 0].counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("n", SHAPES)
+def test_fold_gemm_dispatch_strided_views(cuda: torch.device, gen: torch.Generator, n: int) -> None:
+    """fold_gemm on a strided x row view into a strided out view, at every M the benchmark uses."""
+    w = torch.randn(n, K, device=cuda, generator=gen).bfloat16()
+    warmup_fold_gemm(w, TRITON_MAX_M)
+    for m in sorted(set(BENCH_MS + ODD_MS + (512, 2048))):
+        # x as vLLM slices q_c out of the fused [q_c | kv_c | k_pe] projection.
+        fused = torch.randn(m, K + 576, device=cuda, generator=gen).bfloat16()
+        x = fused[:, :K]
+        out_buf = torch.full((m, n + 64), float("nan"), device=cuda, dtype=torch.bfloat16)
+        out = out_buf[:, 32 : 32 + n]
+        got = fold_gemm(x, w, out=out)
+        assert got.data_ptr() == out.data_ptr()
+        assert relerr(out, x, w) < MAX_RELERR, f"N={n} M={m}"
+        assert torch.isnan(out_buf[:, :32]).all() and torch.isnan(out_buf[:, 32 + n :]).all(), "wrote outside out"
+        assert relerr(fold_gemm(x, w), x, w) < MAX_RELERR
+
+
+def test_dispatch_uses_triton_where_the_table_says(
+    cuda: torch.device, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = load_table(gpu_key(cuda))
+    if table is None:
+        pytest.skip(f"no tuning table for {gpu_key(cuda)}")
+    triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
+    launches: list[KernelConfig] = []
+    real = triton_gemm.launch_fold_gemm
+    monkeypatch.setattr(
+        triton_gemm, "launch_fold_gemm", lambda x, w, y, cfg: (launches.append(cfg), real(x, w, y, cfg))
+    )
+    for entry in table.shapes.values():
+        w = torch.randn(entry.n, entry.k, device=cuda, generator=gen).bfloat16()
+        for bucket in entry.buckets:
+            launches.clear()
+            fold_gemm(torch.randn(bucket.m_max, entry.k, device=cuda, generator=gen).bfloat16(), w)
+            assert launches == ([bucket.config] if bucket.backend == "triton" else []), (entry.n, bucket)
+
+
+def test_cuda_graph_capture_and_replay(cuda: torch.device, gen: torch.Generator) -> None:
+    n = SHAPES[1]
+    w = torch.randn(n, K, device=cuda, generator=gen).bfloat16()
+    ms = (1, 13, 56, 255, 512)
+    warmup_fold_gemm(w, max(ms))
+    xs = [torch.randn(m, K, device=cuda, generator=gen).bfloat16() for m in ms]
+    ys = [torch.empty(m, n, device=cuda, dtype=torch.bfloat16) for m in ms]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for x, y in zip(xs, ys, strict=True):
+            fold_gemm(x, w, out=y)
+    for _ in range(2):
+        for x in xs:
+            x.copy_(torch.randn(x.shape, device=cuda, generator=gen).bfloat16())
+        for y in ys:
+            y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for x, y in zip(xs, ys, strict=True):
+            assert torch.equal(y, fold_gemm(x, w)), f"replay differs from eager at M={x.shape[0]}"
+            assert relerr(y, x, w) < MAX_RELERR
+
+
+def test_route_max_tokens_reads_table(cuda: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_FOLD_MAX_TOKENS, raising=False)
+    table = load_table(gpu_key(cuda))
+    if table is None:
+        assert fold_route_max_tokens(SHAPES[1], K, cuda) == UNKNOWN_GPU_FOLD_MAX_TOKENS
+        return
+    for (n, k), entry in table.shapes.items():
+        assert fold_route_max_tokens(n, k, cuda) == entry.fold_max_tokens
+    measured = sorted(n for n, k in table.shapes if k == K)
+    if len(measured) >= 2:
+        lo, hi = measured[0], measured[1]
+        between = (lo + hi) // 2
+        expected = min(table.shapes[(lo, K)].fold_max_tokens, table.shapes[(hi, K)].fold_max_tokens)
+        assert fold_route_max_tokens(between, K, cuda) == expected
+    assert fold_route_max_tokens(SHAPES[1], K + 7, cuda) == UNKNOWN_GPU_FOLD_MAX_TOKENS
+
+
+def test_route_max_tokens_env_override(cuda: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_FOLD_MAX_TOKENS, "37")
+    assert fold_route_max_tokens(SHAPES[1], K, cuda) == 37
+    monkeypatch.setenv(ENV_FOLD_MAX_TOKENS, "0")
+    assert fold_route_max_tokens(SHAPES[1], K, cuda) == 0
+
+
+def test_torch_fallback_for_untuned_shape(cuda: torch.device, gen: torch.Generator) -> None:
+    """An (N, K) the table never measured runs through torch and is still right."""
+    w = torch.randn(1000, 1000, device=cuda, generator=gen).bfloat16()
+    x = torch.randn(7, 1000, device=cuda, generator=gen).bfloat16()
+    assert torch.equal(fold_gemm(x, w), F.linear(x, w))
