@@ -19,7 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from foldckpt.errors import FoldckptError
-from foldckpt.files import os_error, place_file, remove_stale_tmp_files, sha256_file, tmp_path_for
+from foldckpt.files import is_tmp_path, os_error, place_file, remove_stale_tmp_files, sha256_file, tmp_path_for
 from foldckpt.layer import fold_from_source
 from foldckpt.journal import JOURNAL_NAME, Journal, run_key
 from foldckpt.manifest import (
@@ -88,6 +88,15 @@ def _clear_previous_run(out_dir: Path) -> None:
     remove_stale_tmp_files(out_dir)
 
 
+def _holds_foreign_files(out_dir: Path) -> bool:
+    """Whether ``out_dir`` has entries other than temporary files, which are all that a run killed
+    before its first journal save leaves behind."""
+    try:
+        return out_dir.exists() and any(not is_tmp_path(p) for p in out_dir.iterdir())
+    except OSError as exc:  # a file, or an unreadable directory
+        raise os_error(out_dir, exc, "listing the output directory") from None
+
+
 def _prepare_out_dir(model_dir: Path, out_dir: Path, key: str, options: ConvertOptions) -> Journal | None:
     """Decide between a fresh run, a resume, or "already done" (returns None); refuse the rest."""
     source, target = model_dir.resolve(), out_dir.resolve()
@@ -118,7 +127,7 @@ def _prepare_out_dir(model_dir: Path, out_dir: Path, key: str, options: ConvertO
                 "refusing to mix results: pass --restart to start over"
             )
         _clear_previous_run(out_dir)
-    elif out_dir.exists() and any(out_dir.iterdir()) and not options.overwrite:
+    elif not options.overwrite and _holds_foreign_files(out_dir):
         raise FoldckptError(
             f"{out_dir}: not empty and not a foldckpt output; choose an empty directory or pass --overwrite"
         )
@@ -126,7 +135,9 @@ def _prepare_out_dir(model_dir: Path, out_dir: Path, key: str, options: ConvertO
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise os_error(out_dir, exc, "creating the output directory") from None
-    return Journal(journal_path, key)
+    journal = Journal(journal_path, key)
+    journal.save()  # before any other file: a killed run must leave an OUT_DIR that reads as ours
+    return journal
 
 
 def _check_free_space(plan: ConversionPlan, out_dir: Path, journal: Journal, link: str) -> None:
@@ -141,7 +152,7 @@ def _check_free_space(plan: ConversionPlan, out_dir: Path, journal: Journal, lin
     free = shutil.disk_usage(out_dir).free
     if needed > free:
         raise FoldckptError(
-            f"{out_dir}: needs {needed / 1e9:.2f} GB free but has {free / 1e9:.2f} GB; free space first"
+            f"{out_dir}: needs {needed / 1e9:.3g} GB free but has {free / 1e9:.3g} GB; free space first"
         )
 
 
@@ -184,10 +195,13 @@ def _write_shard(
             folded += 1
             bar.set_postfix(layer=layer.layer.index, relerr=f"{record.error['rel_fro_error']:.1e}")
             bar.update(1)
-        progress.done = writer.commit().to_dict()
+        # Journal the finished shard before renaming it: a kill in between then costs a rehash
+        # and a rename on resume, where the reverse order would redo the whole shard.
+        progress.done = writer.finish().to_dict()
+        journal.save()
+        writer.commit()
     finally:
         writer.close()
-    journal.save()
     return folded
 
 

@@ -8,6 +8,7 @@ appends from there. Only a complete shard is renamed to its final name.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
@@ -64,18 +65,31 @@ class ShardWriter:
         self.offset += len(data)
         return self.offset
 
-    def commit(self) -> FileRecord:
-        """Rename the complete shard into place; returns its size and sha256."""
+    def finish(self) -> FileRecord:
+        """Close the complete (already durable) shard; returns the size and sha256 it will have.
+
+        Separate from :meth:`commit` so the caller can journal the record before the rename.
+        """
         if self.offset != self.expected_size:
             raise RuntimeError(f"{self.path}: wrote {self.offset} of {self.expected_size} bytes")
         self.close()
+        return FileRecord(self.offset, self._digest.hexdigest())
+
+    def commit(self) -> None:
+        """Rename the finished shard into place."""
         try:
             os.replace(self.tmp, self.path)
             fsync_dir(self.path.parent)
         except OSError as exc:
             raise os_error(self.path, exc, "renaming into place") from None
-        return FileRecord(self.offset, self._digest.hexdigest())
 
     def close(self) -> None:
+        """Close the file, ignoring a failed final flush.
+
+        After a failed :meth:`append` (disk full, file too large) the buffer still holds bytes
+        that closing retries and fails to write again; they lie past the journaled offset, which
+        a resume truncates back to, so nothing is lost and the one-line error stays the one raised.
+        """
         if not self._handle.closed:
-            self._handle.close()
+            with contextlib.suppress(OSError):
+                self._handle.close()

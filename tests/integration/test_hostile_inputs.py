@@ -1,0 +1,525 @@
+"""Broken and hostile inputs, and a full disk, through the real ``foldckpt convert`` (issue 4).
+
+Each case corrupts a copy of a real synthetic checkpoint (or the environment) the way downloads,
+strangers and shared storage do, runs the CLI in a subprocess and asserts what a user must see:
+exit code 2, exactly one line on stderr that names the offending file, no traceback, bounded memory,
+and nothing in OUT_DIR that ``verify`` would accept. Where the failure is environmental (NaN weights
+allowed on request, a file-size limit, a full disk) the same command afterwards resumes to a
+verified output.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import pickle
+import resource
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from foldckpt.checkpoint import INDEX_NAME
+from foldckpt.convert import ConvertOptions, convert
+from foldckpt.errors import FoldckptError
+from foldckpt.journal import JOURNAL_NAME
+from foldckpt.manifest import MANIFEST_NAME
+from foldckpt.safetensors_format import read_header
+from foldckpt.synthetic import make_checkpoint
+from foldckpt.verify import VerifyOptions, verify
+
+SHARD = "model-00002-of-00003.safetensors"  # holds layer 0's kv_b_proj and layer 1's q_b_proj
+SIDECAR = "foldckpt-00001-of-00001.safetensors"
+MAX_RSS_BYTES = 1024**3
+# A claimed header length no reader may allocate. Up-front cases run under an address-space cap far
+# below it (and far above what importing a CUDA build of torch maps), so an allocation attempt
+# fails loudly with a traceback instead of quietly succeeding through overcommit.
+HUGE_HEADER_LENGTH = 2**40
+CHILD_ADDRESS_SPACE = 32 * 1024**3
+_PR_CAPBSET_DROP = 24
+_CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH = 1, 2
+
+
+@dataclass(frozen=True)
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    max_rss_bytes: int
+
+
+def run_cli(*args: str | Path, preexec_fn: Callable[[], None] | None = None, timeout: float = 120) -> Run:
+    """The real command line in a subprocess, with that one child's peak resident memory; a run
+    that outlives ``timeout`` (a hang) is killed and fails the test."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "foldckpt", *map(str, args)], stdout=out, stderr=err, preexec_fn=preexec_fn
+        )
+        watchdog = threading.Timer(timeout, process.kill)
+        watchdog.start()
+        try:
+            _, status, usage = os.wait4(process.pid, 0)  # wait4: the rusage of this child alone
+        finally:
+            watchdog.cancel()
+        process.returncode = os.waitstatus_to_exitcode(status)
+        assert process.returncode != -signal.SIGKILL, f"foldckpt {args} ran past {timeout} s"
+        out.seek(0)
+        err.seek(0)
+        return Run(process.returncode, out.read().decode(), err.read().decode(), usage.ru_maxrss * 1024)
+
+
+def error_line(run: Run) -> str:
+    """The one stderr line of a refused run (exit 2, no traceback, bounded memory)."""
+    assert run.returncode == 2, (run.returncode, run.stdout, run.stderr)
+    assert "Traceback" not in run.stderr, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith("foldckpt: error: ")
+    assert run.max_rss_bytes < MAX_RSS_BYTES, f"peak memory {run.max_rss_bytes / 1e6:.0f} MB"
+    return lines[0]
+
+
+def assert_not_accepted(out: Path) -> None:
+    """Nothing verify would accept: no OUT_DIR, or one that verify refuses or fails."""
+    if not out.exists():
+        return
+    try:
+        report = verify(out, VerifyOptions(progress=False))
+    except FoldckptError:
+        return
+    assert not report.ok, f"verify accepted {out} after a failed conversion"
+
+
+def assert_verified(out: Path) -> None:
+    assert verify(out, VerifyOptions(level="deep", progress=False)).ok
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("hostile") / "model", "deepseek_v3")
+
+
+@pytest.fixture
+def model(pristine: Path, tmp_path: Path) -> Path:
+    """A private copy of the checkpoint for a test to damage."""
+    return Path(shutil.copytree(pristine, tmp_path / "model"))
+
+
+# ----------------------------------------------------------------------------- damage helpers
+
+
+def split_file(path: Path) -> tuple[dict[str, Any], bytes]:
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
+
+
+def write_file(path: Path, header: bytes | dict[str, Any], data: bytes) -> None:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def replace_header_bytes(path: Path, new: bytes) -> None:
+    """Overwrite the JSON header with ``new`` padded to the same length (the length prefix stays)."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    write_file(path, new.ljust(length, b" ")[:length], raw[8 + length :])
+
+
+def edit_index(model: Path, change: Callable[[dict[str, str]], None]) -> None:
+    index = json.loads((model / INDEX_NAME).read_text())
+    change(index["weight_map"])
+    (model / INDEX_NAME).write_text(json.dumps(index))
+
+
+def point_shard_at(model: Path, target: str) -> None:
+    """Make the index say that every tensor of SHARD lives in ``target``."""
+    edit_index(model, lambda wm: wm.update({k: target for k, v in wm.items() if v == SHARD}))
+
+
+def outside_copy(model: Path) -> Path:
+    """A valid shard outside the model directory (so only confinement can refuse it)."""
+    return Path(shutil.copy(model / SHARD, model.parent / "outside.safetensors"))
+
+
+class _Boom:
+    """Unpickling this creates a marker file: proof that something unpickled the shard."""
+
+    marker = ""
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return open, (self.marker, "w")
+
+
+def write_pickle_bomb(path: Path, marker: Path) -> None:
+    bomb = _Boom()
+    bomb.marker = str(marker)
+    path.write_bytes(pickle.dumps({"model.layers.0.self_attn.q_b_proj.weight": bomb}))
+
+
+def set_element(model: Path, tensor: str, value: float) -> str:
+    """Write ``value`` into element 7 of ``tensor`` in place; returns the file that holds it."""
+    file = json.loads((model / INDEX_NAME).read_text())["weight_map"][tensor]
+    info = read_header(model / file).tensors[tensor]
+    element = torch.tensor([value], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    with open(model / file, "r+b") as handle:
+        handle.seek(info.start + 7 * len(element))
+        handle.write(element)
+    return file
+
+
+# ----------------------------------------------------------------------------- refused up front
+
+
+def truncated_shard(model: Path) -> tuple[str, ...]:
+    os.truncate(model / SHARD, (model / SHARD).stat().st_size * 2 // 3)
+    return SHARD, "truncated"
+
+
+def header_length_over_the_limit(model: Path) -> tuple[str, ...]:
+    _, data = split_file(model / SHARD)
+    (model / SHARD).write_bytes(struct.pack("<Q", HUGE_HEADER_LENGTH) + data)
+    return SHARD, f"header length {HUGE_HEADER_LENGTH} exceeds"
+
+
+def header_length_past_the_end(model: Path) -> tuple[str, ...]:
+    _, data = split_file(model / SHARD)
+    (model / SHARD).write_bytes(struct.pack("<Q", 90 * 1024**2) + data)
+    return SHARD, "runs past the end"
+
+
+def header_invalid_json(model: Path) -> tuple[str, ...]:
+    replace_header_bytes(model / SHARD, b'{"model.layers.0": {"dtype": "BF16", "shape": [1')
+    return SHARD, "not valid JSON"
+
+
+def header_not_utf8(model: Path) -> tuple[str, ...]:
+    replace_header_bytes(model / SHARD, b"\xff\xfe{}")
+    return SHARD, "not valid JSON"
+
+
+def header_not_an_object(model: Path) -> tuple[str, ...]:
+    replace_header_bytes(model / SHARD, b"[1, 2, 3]")
+    return SHARD, "not a JSON object"
+
+
+def offsets_overlapping(model: Path) -> tuple[str, ...]:
+    header, data = split_file(model / SHARD)
+    # Two tensors of one dtype and shape, the later one moved onto the earlier one's bytes: every
+    # entry keeps its exact size, only the tiling check can see the overlap.
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    kind = lambda k: (header[k]["dtype"], header[k]["shape"])  # noqa: E731
+    first, later = next((a, b) for i, a in enumerate(names) for b in names[i + 1 :] if kind(a) == kind(b))
+    header[later]["data_offsets"] = list(header[first]["data_offsets"])
+    write_file(model / SHARD, header, data)
+    return SHARD, f"'{later}' overlaps another tensor"
+
+
+def offsets_beyond_the_file(model: Path) -> tuple[str, ...]:
+    header, data = split_file(model / SHARD)
+    header["model.layers.9.extra"] = {"dtype": "U8", "shape": [4096], "data_offsets": [len(data), len(data) + 4096]}
+    write_file(model / SHARD, header, data)
+    return SHARD, f"the file has {(model / SHARD).stat().st_size}"
+
+
+def offsets_wrong_size(model: Path) -> tuple[str, ...]:
+    header, data = split_file(model / SHARD)
+    name = next(k for k in header if k.endswith("kv_b_proj.weight"))
+    header[name]["data_offsets"][1] += 2**62
+    write_file(model / SHARD, header, data)
+    return SHARD, f"tensor '{name}' spans"
+
+
+def index_missing_file(model: Path) -> tuple[str, ...]:
+    point_shard_at(model, "model-00004-of-00003.safetensors")
+    return INDEX_NAME, "model-00004-of-00003.safetensors", "does not exist"
+
+
+def index_dot_dot(model: Path) -> tuple[str, ...]:
+    outside_copy(model)
+    point_shard_at(model, "../outside.safetensors")
+    return INDEX_NAME, "../outside.safetensors", "escapes the model directory"
+
+
+def index_absolute_path(model: Path) -> tuple[str, ...]:
+    target = str(outside_copy(model))
+    point_shard_at(model, target)
+    return INDEX_NAME, target, "escapes the model directory"
+
+
+def shard_symlink_outside(model: Path) -> tuple[str, ...]:
+    target = outside_copy(model)
+    (model / SHARD).unlink()
+    (model / SHARD).symlink_to(target)
+    return SHARD, "outside the model directory"
+
+
+def other_file_symlink_outside(model: Path) -> tuple[str, ...]:
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer.json").symlink_to("/etc/passwd")
+    return "tokenizer.json", "outside the model directory"
+
+
+def fifo_in_model_dir(model: Path) -> tuple[str, ...]:
+    """Reading a FIFO would block forever: it must be refused, never opened."""
+    (model / "tokenizer.json").unlink()
+    os.mkfifo(model / "tokenizer.json")
+    return "tokenizer.json", "not a regular file"
+
+
+def config_is_a_fifo(model: Path) -> tuple[str, ...]:
+    """config.json is read first of all: a FIFO there must not block the run either."""
+    (model / "config.json").unlink()
+    os.mkfifo(model / "config.json")
+    return "config.json", "not a regular file"
+
+
+def pickle_shards_only(model: Path) -> tuple[str, ...]:
+    for path in model.glob("model*"):
+        path.unlink()
+    write_pickle_bomb(model / "pytorch_model.bin", model.parent / "UNPICKLED")
+    (model / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"x": "pytorch_model.bin"}}))
+    return "pytorch_model.bin", "never unpickles"
+
+
+def index_points_at_a_pickle(model: Path) -> tuple[str, ...]:
+    write_pickle_bomb(model / "pytorch_model.bin", model.parent / "UNPICKLED")
+    point_shard_at(model, "pytorch_model.bin")
+    return "pytorch_model.bin", "not a valid safetensors file"
+
+
+def config_dims_disagree(model: Path) -> tuple[str, ...]:
+    config = json.loads((model / "config.json").read_text())
+    config["q_lora_rank"] = 96
+    (model / "config.json").write_text(json.dumps(config))
+    return "model-00001-of-00003.safetensors", "q_b_proj", "config.json", "disagree"
+
+
+def config_heads_disagree(model: Path) -> tuple[str, ...]:
+    config = json.loads((model / "config.json").read_text())
+    config["num_attention_heads"] = 16
+    (model / "config.json").write_text(json.dumps(config))
+    return ".safetensors: tensor 'model.layers.0.self_attn.", "heads=16", "disagree"
+
+
+def config_invalid_json(model: Path) -> tuple[str, ...]:
+    (model / "config.json").write_text('{"architectures": ["DeepseekV3ForCausalLM"], ')
+    return "config.json", "JSON"
+
+
+def index_invalid_json(model: Path) -> tuple[str, ...]:
+    (model / INDEX_NAME).write_text('{"weight_map": {')
+    return INDEX_NAME, "invalid JSON"
+
+
+UP_FRONT = [
+    truncated_shard, header_length_over_the_limit, header_length_past_the_end, header_invalid_json,
+    header_not_utf8, header_not_an_object, offsets_overlapping, offsets_beyond_the_file, offsets_wrong_size,
+    index_missing_file, index_dot_dot, index_absolute_path, shard_symlink_outside, other_file_symlink_outside,
+    fifo_in_model_dir, config_is_a_fifo, pickle_shards_only, index_points_at_a_pickle, config_dims_disagree,
+    config_heads_disagree, config_invalid_json, index_invalid_json,
+]  # fmt: skip
+
+
+def _limit_address_space() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (CHILD_ADDRESS_SPACE, CHILD_ADDRESS_SPACE))
+
+
+@pytest.mark.parametrize("damage", UP_FRONT, ids=lambda f: f.__name__)
+def test_hostile_input_is_refused_in_one_line_before_any_output(
+    damage: Callable[[Path], tuple[str, ...]], model: Path, tmp_path: Path
+) -> None:
+    expected = damage(model)
+    out = tmp_path / "out"
+    line = error_line(run_cli("convert", model, out, "-q", preexec_fn=_limit_address_space))
+    for fragment in expected:
+        assert fragment in line, line
+    assert not out.exists(), "input problems must be found on headers, before OUT_DIR is created"
+    assert not (model.parent / "UNPICKLED").exists(), "a pickle was unpickled"
+    # The library refuses the same way (what the CLI prints is its message).
+    with pytest.raises(FoldckptError):
+        convert(model, out, ConvertOptions(progress=False))
+    assert not out.exists()
+
+
+def test_the_pickle_probe_is_live(tmp_path: Path) -> None:
+    """The marker check above means something: unpickling the bomb does create the marker."""
+    write_pickle_bomb(tmp_path / "pytorch_model.bin", tmp_path / "UNPICKLED")
+    pickle.loads((tmp_path / "pytorch_model.bin").read_bytes())["model.layers.0.self_attn.q_b_proj.weight"].close()
+    assert (tmp_path / "UNPICKLED").exists()
+
+
+# ----------------------------------------------------------------------------- NaN / Inf weights
+
+
+@pytest.mark.parametrize(
+    ("tensor", "value"),
+    [("model.layers.1.self_attn.q_b_proj.weight", float("nan")),
+     ("model.layers.0.self_attn.kv_b_proj.weight", float("inf"))],
+    ids=["nan-in-q_b_proj", "inf-in-kv_b_proj"],
+)  # fmt: skip
+def test_nonfinite_weights_are_refused_unless_allowed(tensor: str, value: float, model: Path, tmp_path: Path) -> None:
+    file = set_element(model, tensor, value)
+    out = tmp_path / "out"
+    line = error_line(run_cli("convert", model, out, "-q"))
+    assert file in line and f"'{tensor}'" in line and "NaN or Inf" in line and "--allow-nonfinite" in line
+    assert not (out / MANIFEST_NAME).exists()
+    assert_not_accepted(out)
+    result = convert(model, out, ConvertOptions(allow_nonfinite=True, progress=False))
+    assert result.layers_folded + result.layers_resumed == 2
+    assert verify(out, VerifyOptions(progress=False)).ok
+
+
+# ----------------------------------------------------------------------------- full disk, too large
+
+
+def test_file_size_limit_efbig_fails_cleanly_then_resumes(model: Path, pristine: Path, tmp_path: Path) -> None:
+    """RLIMIT_FSIZE below a sidecar's size: the write fails with EFBIG (the CLI ignores SIGXFSZ)."""
+    reference = tmp_path / "reference"
+    convert(model, reference, ConvertOptions(progress=False))
+    sidecar_size = (reference / SIDECAR).stat().st_size
+    limit = sidecar_size * 2 // 3  # room for the first layer's fold, not the second's
+    out = tmp_path / "out"
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    line = error_line(run_cli("convert", model, out, "-q", preexec_fn=limit_file_size))
+    assert SIDECAR in line and "too large" in line and "rerun to resume" in line
+    assert not (out / MANIFEST_NAME).exists() and not (out / SIDECAR).exists()
+    assert_not_accepted(out)
+    result = convert(model, out, ConvertOptions(progress=False))
+    assert (result.layers_folded, result.layers_resumed) == (1, 1)
+    assert (out / SIDECAR).read_bytes() == (reference / SIDECAR).read_bytes()
+    assert (out / MANIFEST_NAME).read_bytes() == (reference / MANIFEST_NAME).read_bytes()
+    assert_verified(out)
+
+
+_SMALL_APPEND = """
+import resource, sys
+from pathlib import Path
+from foldckpt.errors import FoldckptError
+from foldckpt.safetensors_format import TensorSpec
+from foldckpt.sidecar import ShardWriter
+writer = ShardWriter(Path(sys.argv[1]), [TensorSpec("t", "U8", (4096,))], {})
+resource.setrlimit(resource.RLIMIT_FSIZE, (writer.offset + 100, writer.offset + 100))
+try:
+    writer.append(b"x" * 1000)
+except FoldckptError as exc:
+    writer.close()
+    print(exc)
+"""
+
+
+def test_file_size_limit_on_a_small_buffered_append_is_one_error(tmp_path: Path) -> None:
+    """A fold smaller than the write buffer fails in flush, and closing retries the flush: that
+    second failure must not replace the one-line error with a traceback."""
+    path = tmp_path / SIDECAR
+    result = subprocess.run([sys.executable, "-c", _SMALL_APPEND, str(path)], capture_output=True, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGXFSZ, signal.SIG_IGN))  # fmt: skip
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert result.stdout.strip() == (
+        f"{path}: file too large for this filesystem or limit while writing; free space and rerun to resume"
+    )
+
+
+@pytest.fixture
+def small_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A real 8 MB tmpfs (root with CAP_SYS_ADMIN only; CI runs as root)."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs for a real ENOSPC ({mounted.stderr.strip()}); "
+                    "the EFBIG test covers the same error path")  # fmt: skip
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_disk_full_enospc_fails_cleanly_then_resumes(model: Path, small_filesystem: Path) -> None:
+    """Too little space is refused up front; then, with room for exactly the bytes needed, the disk
+    fills up for real during the sidecar write (copies take whole pages) and the run stops with
+    ENOSPC. Either way one line, no accepted output, and the rerun after freeing space resumes."""
+    out = small_filesystem / "out"
+    plan = json.loads(run_cli("convert", model, out, "--dry-run", "--json").stdout)
+    needed = sum(plan["sidecars"].values()) + sum(p.stat().st_size for p in model.iterdir())
+    filler = small_filesystem / "filler"
+    filler.write_bytes(b"\0" * (shutil.disk_usage(small_filesystem).free - needed // 2))
+    line = error_line(run_cli("convert", model, out, "--link", "copy", "-q"))
+    assert str(out) in line and "GB free but has" in line and "free space first" in line, line
+    assert not any(".safetensors" in p.name for p in out.iterdir())
+    assert_not_accepted(out)
+
+    page = os.statvfs(small_filesystem).f_frsize
+    os.truncate(filler, filler.stat().st_size + shutil.disk_usage(small_filesystem).free - -(-needed // page) * page)
+    line = error_line(run_cli("convert", model, out, "--link", "copy", "-q"))
+    assert f"{out / SIDECAR}: disk full while writing" in line, line
+    assert not (out / MANIFEST_NAME).exists() and not (out / SIDECAR).exists()
+    assert_not_accepted(out)
+
+    filler.unlink()
+    result = convert(model, out, ConvertOptions(link="copy", progress=False))
+    assert result.layers_folded + result.layers_resumed == 2
+    assert not (out / JOURNAL_NAME).exists()
+    assert_verified(out)
+
+
+# ----------------------------------------------------------------------------- unreadable files
+
+
+def _drop_file_permission_override() -> None:
+    """Make root obey file modes: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding
+    set, so the exec'd child (still uid 0, so it can run the root-owned interpreter) lacks them."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (_CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH):
+        if libc.prctl(_PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.fixture(scope="module")
+def obey_file_modes(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], None] | None:
+    """A preexec_fn under which a child cannot read a mode-000 file, or skip if none exists."""
+    preexec = _drop_file_permission_override if os.geteuid() == 0 else None
+    probe = tmp_path_factory.mktemp("probe") / "secret"
+    probe.write_text("secret")
+    probe.chmod(0)
+    try:
+        check = subprocess.run([sys.executable, "-c", f"open({str(probe)!r}).read()"], preexec_fn=preexec,
+                               capture_output=True, text=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot make this root process obey file modes ({exc})")
+    if check.returncode == 0:
+        pytest.skip("a mode-000 file stays readable here (privileges cannot be dropped)")
+    assert "PermissionError" in check.stderr, check.stderr
+    return preexec
+
+
+@pytest.mark.parametrize(
+    ("file", "before_output"),
+    [(SHARD, True), ("config.json", True), ("tokenizer.json", False)],
+    ids=["shard", "config", "other-file"],
+)
+def test_unreadable_file_is_refused_in_one_line(
+    file: str, before_output: bool, model: Path, tmp_path: Path, obey_file_modes: Callable[[], None] | None
+) -> None:
+    (model / file).chmod(0)
+    out = tmp_path / "out"
+    line = error_line(run_cli("convert", model, out, "-q", preexec_fn=obey_file_modes))
+    assert file in line and "permission denied" in line.lower(), line
+    assert out.exists() != before_output
+    assert_not_accepted(out)
