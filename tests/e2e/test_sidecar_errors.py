@@ -1,0 +1,89 @@
+"""A damaged conversion stops the engine with a message naming the file, never serves unfolded.
+
+The engine tests start a real vLLM on a copy of a converted directory with its sidecar corrupted
+(bytes flipped inside the fold data: only the sha256 can tell) or deleted. The in-process tests
+exercise the checks vLLM runs before any weight is read (:func:`open_fold_set`), which need no
+engine.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from foldckpt.errors import FoldckptError
+from foldckpt.manifest import MANIFEST_NAME, read_manifest
+from foldckpt.runtime.loader import open_fold_set
+from tests.e2e.harness import MAX_MODEL_LEN, PROMPTS, engine_env, requires_vllm, run_job
+
+
+def _copy(converted: Path, dest: Path) -> tuple[Path, Path]:
+    """A private copy of a converted directory and the path of its (only) sidecar."""
+    shutil.copytree(converted, dest)
+    (sidecar,) = read_manifest(dest).sidecars
+    return dest, dest / sidecar
+
+
+def _start(engine_dir: Path, name: str, model: Path) -> tuple[int, str]:
+    spec = {"model": str(model), "dtype": "bfloat16", "eager": True, "max_model_len": MAX_MODEL_LEN,
+            "prompts": PROMPTS[:1], "max_tokens": 2, "tensor_parallel_size": 1}  # fmt: skip
+    proc = run_job(engine_dir, name, spec, engine_env(), timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@requires_vllm
+def test_corrupted_sidecar_stops_the_engine(engine_dir: Path, converted_bf16: Path, tmp_path: Path) -> None:
+    model, sidecar = _copy(converted_bf16, tmp_path / "corrupted")
+    data = bytearray(sidecar.read_bytes())
+    data[-64] ^= 0xFF  # inside the last fold tensor's data; size and header stay valid
+    sidecar.write_bytes(bytes(data))
+    returncode, log = _start(engine_dir, "corrupted-sidecar", model)
+    assert returncode != 0
+    assert f"FoldckptError: {sidecar}: tensor 'model.layers.1.self_attn.q_fold.weight'" in log
+    assert "do not match the sha256" in log
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@requires_vllm
+def test_missing_sidecar_stops_the_engine(engine_dir: Path, converted_bf16: Path, tmp_path: Path) -> None:
+    model, sidecar = _copy(converted_bf16, tmp_path / "missing")
+    sidecar.unlink()
+    returncode, log = _start(engine_dir, "missing-sidecar", model)
+    assert returncode != 0
+    assert f"FoldckptError: {sidecar}: the fold sidecar listed in foldckpt.json is missing" in log
+
+
+def test_fold_set_of_a_good_conversion(converted_bf16: Path) -> None:
+    fold_set = open_fold_set(converted_bf16)
+    layer = fold_set.layer_for_module("model.layers.1.self_attn")
+    rows = fold_set.read_rows(layer, tp_size=2, tp_rank=1)
+    geometry = fold_set.geometry
+    assert tuple(rows.shape) == (geometry.fold_shape[0] // 2, geometry.q_lora_rank)
+
+
+def test_truncated_sidecar_is_refused_before_loading(converted_bf16: Path, tmp_path: Path) -> None:
+    model, sidecar = _copy(converted_bf16, tmp_path / "truncated")
+    sidecar.write_bytes(sidecar.read_bytes()[:-128])
+    with pytest.raises(FoldckptError, match=f"{sidecar}: .* bytes, the manifest records"):
+        open_fold_set(model)
+
+
+def test_manifest_for_another_model_is_refused(converted_bf16: Path, tmp_path: Path) -> None:
+    model, _ = _copy(converted_bf16, tmp_path / "other-config")
+    config = json.loads((model / "config.json").read_text())
+    config["num_attention_heads"] = 4
+    (model / "config.json").write_text(json.dumps(config))
+    expected = rf"{MANIFEST_NAME}: made for another model .*\(num_heads: manifest 8, config 4\)"
+    with pytest.raises(FoldckptError, match=expected):
+        open_fold_set(model)
+
+
+def test_layer_without_fold_is_refused(converted_bf16: Path) -> None:
+    with pytest.raises(FoldckptError, match="vLLM built the MLA layer 'model.layers.7.self_attn'"):
+        open_fold_set(converted_bf16).layer_for_module("model.layers.7.self_attn")
