@@ -9,7 +9,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${FOLDCKPT_VENV:-.venv}"
 PYTHON="${PYTHON:-python3.11}"
-pip_install() { "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@"; }
+# This machine's pip config lists local wheel folders; drop its per-package "is ignored" noise.
+pip_install() {
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$@" \
+        2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 pip_install torch==2.13.0
