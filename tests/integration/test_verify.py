@@ -1,0 +1,519 @@
+"""``foldckpt verify`` on real converted directories, clean and tampered with (no mocks).
+
+Every tamper test damages real files the way a disk, a copy or a person would, then asserts the
+level that catches it, that no cheaper level already failed, and that the report names the damaged
+file (and tensor where there is one). The library ``verify()`` is used for most cases; the real
+command line for exit codes, ``--json`` and a few representative cases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from foldckpt.convert import ConvertOptions
+from foldckpt.errors import FoldckptError
+from foldckpt.manifest import MANIFEST_NAME, FileRecord, read_manifest, write_manifest
+from foldckpt.safetensors_format import TORCH_DTYPES, TensorInfo, read_header
+from foldckpt.files import HASH_BUFFER
+from foldckpt.verify import LEVELS, LevelResult, Problem, VerifyOptions, VerifyReport, _chunks, check_deep, verify
+from tests.conftest import run_foldckpt
+
+Converted = Callable[..., tuple[Path, Path]]
+# Three MLA layers (3, 5 and the MTP layer 6) of ~590 KB folds, one per sidecar.
+SMALL_SHARDS = ConvertOptions(progress=False, max_shard_size=700_000)
+SIDECARS = [f"foldckpt-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers: real damage to real files
+
+
+def run_verify(out_dir: Path, level: str = "deep", **kwargs: object) -> VerifyReport:
+    return verify(out_dir, VerifyOptions(level=level, progress=False, **kwargs))  # type: ignore[arg-type]
+
+
+def failed_level(report: VerifyReport, expected: str) -> LevelResult:
+    """The report failed exactly at ``expected``: every cheaper level passed, nothing ran after it."""
+    names = [level.name for level in report.levels]
+    assert names == list(LEVELS[: LEVELS.index(expected) + 1]), names
+    assert all(level.ok for level in report.levels[:-1]), [lv.to_dict() for lv in report.levels]
+    assert not report.ok and not report.levels[-1].ok and report.levels[-1].problems
+    return report.levels[-1]
+
+
+def files_named(problems: tuple[Problem, ...]) -> set[str]:
+    return {problem.file for problem in problems}
+
+
+def tensor_info(path: Path, name: str) -> TensorInfo:
+    return read_header(path).tensors[name]
+
+
+def flip_byte(path: Path, offset: int, value: int | None = None) -> None:
+    """Change the byte at ``offset`` (all its bits, or to ``value``)."""
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)[0]
+        assert value != byte
+        handle.seek(offset)
+        handle.write(bytes([byte ^ 0xFF if value is None else value]))
+
+
+def rewrite_tensor(path: Path, info: TensorInfo, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Change one tensor's values in place (same dtype and size), as an edit of the weights would."""
+    with open(path, "r+b") as handle:
+        handle.seek(info.start)
+        data = bytearray(handle.read(info.nbytes))
+        tensor = torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype]).reshape(info.shape)
+        new = transform(tensor.clone()).to(tensor.dtype).contiguous()
+        assert not torch.equal(new, tensor)
+        handle.seek(info.start)
+        handle.write(new.view(torch.uint8).numpy().tobytes())
+
+
+def flip_hex_digit_after(out_dir: Path, needle: str) -> None:
+    """Change one byte of the manifest: the first hex digit that follows ``needle`` (which must be unique)."""
+    path = out_dir / MANIFEST_NAME
+    raw = bytearray(path.read_bytes())
+    assert raw.count(needle.encode()) == 1, needle
+    position = raw.index(needle.encode()) + len(needle)
+    raw[position] = ord("1") if raw[position] == ord("0") else ord("0")
+    path.write_bytes(bytes(raw))
+
+
+def reseal_manifest(out_dir: Path) -> None:
+    """Recompute every sidecar hash of the manifest from the bytes on disk (an adversary who edits
+    both a fold and its hashes): only ``--deep`` can then tell that the fold is wrong."""
+    manifest = read_manifest(out_dir)
+    tensors = dict(manifest.tensors)
+    for name, tensor in tensors.items():
+        path = out_dir / tensor.file
+        info = tensor_info(path, name)
+        data = path.read_bytes()[info.start : info.end]
+        row = info.nbytes // tensor.shape[0]
+        ranks = {
+            tp: tuple(
+                hashlib.sha256(data[a * row : b * row]).hexdigest()
+                for a, b in (manifest.geometry.rank_rows(tp, r) for r in range(tp))
+            )
+            for tp in manifest.tp_sizes
+        }
+        tensors[name] = dataclasses.replace(tensor, sha256=hashlib.sha256(data).hexdigest(), rank_sha256=ranks)
+    sidecars = {
+        name: FileRecord((out_dir / name).stat().st_size, hashlib.sha256((out_dir / name).read_bytes()).hexdigest())
+        for name in manifest.sidecars
+    }
+    write_manifest(out_dir, dataclasses.replace(manifest, tensors=tensors, sidecars=sidecars))
+
+
+def fold_names(out_dir: Path, sidecar: str) -> list[str]:
+    return [name for name, t in read_manifest(out_dir).tensors.items() if t.file == sidecar]
+
+
+# ------------------------------------------------------------------------------------------------
+# clean conversions
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_fp8", "kimi_k3"])
+def test_a_clean_conversion_verifies_at_every_level(converted: Converted, family: str) -> None:
+    _, out_dir = converted(family)
+    for level in LEVELS:
+        report = run_verify(out_dir, level)
+        assert report.ok, report.to_dict()
+        assert [lv.name for lv in report.levels] == list(LEVELS[: LEVELS.index(level) + 1])
+    deep = report.levels[-1]
+    layers = len(read_manifest(out_dir).tensors)
+    assert f"{layers}/{layers} layer(s) recomputed: {layers} bitwise identical" in deep.summary
+    content = report.levels[2]
+    assert content.bytes_read == sum(r.size for r in read_manifest(out_dir).files.values())
+
+
+def test_a_clean_multi_sidecar_conversion_verifies_every_rank(converted: Converted) -> None:
+    _, out_dir = converted("kimi_k3", SMALL_SHARDS)
+    manifest = read_manifest(out_dir)
+    assert sorted(manifest.sidecars) == SIDECARS and manifest.tp_sizes == (1, 2, 4, 8)
+    assert run_verify(out_dir).ok
+    full = run_verify(out_dir, "content").levels[-1].bytes_read
+    for tp in manifest.tp_sizes:
+        for rank in range(tp):
+            report = run_verify(out_dir, "content", rank=rank, tp=tp)
+            assert report.ok, report.to_dict()
+            # a serving node reads the sources plus only its slice of each fold
+            fold_bytes = manifest.fold_bytes()
+            assert report.levels[-1].bytes_read < full - fold_bytes + fold_bytes // tp + 4096
+
+
+def test_cli_clean_verify_exits_0_with_a_json_report(converted: Converted) -> None:
+    _, out_dir = converted("deepseek_v3")
+    run = run_foldckpt("verify", out_dir, "--deep", "--sample", "1", "--json")
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(run.stdout)
+    assert report["ok"] is True and [lv["name"] for lv in report["levels"]] == list(LEVELS)
+    assert all(lv["ok"] and lv["problems"] == [] for lv in report["levels"])
+    assert "1/2 layer(s) recomputed" in report["levels"][-1]["summary"]
+
+
+@pytest.mark.parametrize("sample", [1, 2, 5])
+def test_deep_sample_recomputes_that_many_layers(converted: Converted, sample: int) -> None:
+    _, out_dir = converted("kimi_k3")
+    report = run_verify(out_dir, sample=sample)
+    assert report.ok, report.to_dict()
+    # 3 folds x (1 + 2 + 4 + 8) rank hashes are all checked whatever the sample
+    assert f"45 per-rank hashes match; {min(sample, 3)}/3 layer(s) recomputed" in report.levels[-1].summary
+
+
+# ------------------------------------------------------------------------------------------------
+# sidecars
+
+
+@pytest.mark.parametrize("sidecar", SIDECARS)
+def test_a_flipped_byte_in_any_sidecar_fold_fails_content_naming_the_file_and_tensor(
+    converted: Converted, sidecar: str
+) -> None:
+    _, out_dir = converted("kimi_k3", SMALL_SHARDS)
+    (tensor,) = fold_names(out_dir, sidecar)
+    info = tensor_info(out_dir / sidecar, tensor)
+    flip_byte(out_dir / sidecar, info.start + info.nbytes // 3)
+    level = failed_level(run_verify(out_dir), "content")
+    assert files_named(level.problems) == {sidecar}
+    assert any(p.tensor == tensor and f"tensor '{tensor}' differs" in p.what for p in level.problems), level.problems
+    assert any("sha256" in p.what and p.tensor is None for p in level.problems)
+
+
+def test_a_flipped_byte_in_a_sidecar_header_fails_structure(converted: Converted) -> None:
+    _, out_dir = converted("kimi_k3", SMALL_SHARDS)
+    flip_byte(out_dir / SIDECARS[1], 8)  # the header's opening brace
+    level = failed_level(run_verify(out_dir), "structure")
+    assert files_named(level.problems) == {SIDECARS[1]}
+    assert "not a valid safetensors file" in level.problems[0].what
+
+
+def test_a_flipped_byte_in_sidecar_metadata_fails_content_with_the_tensors_intact(converted: Converted) -> None:
+    _, out_dir = converted("deepseek_v3")
+    sidecar = "foldckpt-00001-of-00001.safetensors"
+    raw = (out_dir / sidecar).read_bytes()
+    flip_byte(out_dir / sidecar, raw.index(b'"foldckpt ') + 1, ord("F"))  # "producer": "Foldckpt x.y": still valid
+    level = failed_level(run_verify(out_dir), "content")
+    assert [(p.file, p.tensor) for p in level.problems] == [(sidecar, None)]  # file hash only: folds are fine
+
+
+def test_the_rank_slice_mode_checks_only_what_that_rank_loads(converted: Converted) -> None:
+    _, out_dir = converted("kimi_k3", SMALL_SHARDS)
+    sidecar = SIDECARS[0]
+    (tensor,) = fold_names(out_dir, sidecar)
+    info = tensor_info(out_dir / sidecar, tensor)
+    geometry = read_manifest(out_dir).geometry
+    start, _ = geometry.rank_rows(2, 1)
+    flip_byte(out_dir / sidecar, info.start + start * (info.nbytes // geometry.fold_shape[0]) + 5)
+    assert run_verify(out_dir, "content", rank=0, tp=2).ok  # rank 0's rows are intact
+    level = failed_level(run_verify(out_dir, "content", rank=1, tp=2), "content")
+    assert [(p.file, p.tensor) for p in level.problems] == [(sidecar, tensor)]
+    assert "rank 1/2 slice (rows 2304-4607)" in level.problems[0].what
+    level = failed_level(run_verify(out_dir), "content")
+    affected = next(p for p in level.problems if p.tensor == tensor).what
+    assert "rank slices affected: 0/1, 1/2, 2/4, 4/8" in affected
+
+
+def test_cli_rank_and_tp_errors_are_unusable_input(converted: Converted) -> None:
+    _, out_dir = converted("deepseek_v3", ConvertOptions(progress=False, tp_sizes=(2, 4)))
+    with pytest.raises(FoldckptError, match=r"foldckpt.json: has per-rank hashes for TP \[2, 4\], not 8"):
+        run_verify(out_dir, "content", rank=0, tp=8)
+    with pytest.raises(FoldckptError, match="--rank 4 is outside TP 4"):
+        run_verify(out_dir, "content", rank=4, tp=4)
+    with pytest.raises(FoldckptError, match="--rank and --tp go together"):
+        run_verify(out_dir, "content", rank=1)
+    run = run_foldckpt("verify", out_dir, "--rank", "1", "--tp", "8")
+    assert run.returncode == 2 and "not 8; reconvert with --tp" in run.stderr, run.stderr
+
+
+def test_a_deleted_sidecar_fails_the_manifest_level(converted: Converted) -> None:
+    _, out_dir = converted("kimi_k3", SMALL_SHARDS)
+    (out_dir / SIDECARS[2]).unlink()
+    level = failed_level(run_verify(out_dir), "manifest")
+    assert [(p.file, p.what) for p in level.problems] == [(SIDECARS[2], "missing")]
+
+
+def test_cli_a_deleted_sidecar_exits_1_and_the_json_names_it(converted: Converted) -> None:
+    _, out_dir = converted("deepseek_v3")
+    sidecar = "foldckpt-00001-of-00001.safetensors"
+    (out_dir / sidecar).unlink()
+    run = run_foldckpt("verify", out_dir, "--json")
+    assert run.returncode == 1, run.stdout + run.stderr
+    report = json.loads(run.stdout)
+    assert report["ok"] is False and [lv["name"] for lv in report["levels"]] == ["manifest"]
+    (problem,) = report["levels"][0]["problems"]
+    assert problem["file"] == sidecar and problem["what"] == "missing"
+    text = run_foldckpt("verify", out_dir, "--quiet")
+    assert text.returncode == 1 and f"- {sidecar}: missing" in text.stdout and "verification FAILED" in text.stdout
+
+
+@pytest.mark.parametrize("stray", ["foldckpt-00002-of-00002.safetensors", "model-00004-of-00004.safetensors"])
+def test_a_stray_safetensors_file_fails_the_manifest_level(converted: Converted, stray: str) -> None:
+    _, out_dir = converted("deepseek_v3")
+    shutil.copyfile(out_dir / "foldckpt-00001-of-00001.safetensors", out_dir / stray)
+    level = failed_level(run_verify(out_dir), "manifest")
+    assert files_named(level.problems) == {stray} and "stray" in level.problems[0].what
+
+
+@pytest.mark.parametrize("victim", [SIDECARS[1], "model-00002-of-00003.safetensors", "config.json"])
+def test_a_truncated_file_fails_the_manifest_level(converted: Converted, victim: str) -> None:
+    _, out_dir = converted("kimi_k3", SMALL_SHARDS)
+    path = out_dir / victim
+    size = path.stat().st_size
+    with open(path, "r+b") as handle:
+        handle.truncate(size - 1)
+    level = failed_level(run_verify(out_dir), "manifest")
+    assert [p.file for p in level.problems] == [victim]
+    assert f"size {size - 1} bytes, foldckpt.json says {size}" in level.problems[0].what
+
+
+# ------------------------------------------------------------------------------------------------
+# source files (hard links: damage in OUT_DIR is damage in MODEL_DIR, and the other way round)
+
+
+@pytest.mark.parametrize("shard", ["model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors"])
+def test_a_flipped_byte_in_a_linked_source_shard_fails_content_naming_it(converted: Converted, shard: str) -> None:
+    model_dir, out_dir = converted("deepseek_v3")
+    assert (out_dir / shard).stat().st_ino == (model_dir / shard).stat().st_ino
+    header = read_header(out_dir / shard)
+    folded = {s.name for t in read_manifest(out_dir).tensors.values() for s in t.sources}
+    victim = next(info for name, info in header.tensors.items() if name not in folded and info.nbytes)
+    flip_byte(out_dir / shard, victim.start + victim.nbytes // 2)
+    assert (model_dir / shard).read_bytes() == (out_dir / shard).read_bytes()  # same inode
+    level = failed_level(run_verify(out_dir), "content")
+    assert [(p.file, p.tensor) for p in level.problems] == [(shard, None)]
+
+
+def test_a_flipped_byte_in_a_small_source_file_fails_content(converted: Converted) -> None:
+    _, out_dir = converted("deepseek_v3")
+    flip_byte(out_dir / "tokenizer.json", 100)
+    level = failed_level(run_verify(out_dir), "content")
+    assert files_named(level.problems) == {"tokenizer.json"}
+
+
+@pytest.mark.parametrize(
+    ("family", "suffix"),
+    [
+        ("deepseek_v3", "layers.1.self_attn.kv_b_proj.weight"),
+        ("kimi_k3", "layers.5.self_attn.q_b_proj.weight"),
+        ("deepseek_v3_fp8", "layers.0.self_attn.q_b_proj.weight_scale_inv"),
+    ],
+)
+def test_a_source_tensor_modified_after_conversion_is_named_by_content_and_deep(
+    converted: Converted, family: str, suffix: str
+) -> None:
+    model_dir, out_dir = converted(family)
+    manifest = read_manifest(out_dir)
+    source = next(s for t in manifest.tensors.values() for s in t.sources if s.name.endswith(suffix))
+    fold = next(t.name for t in manifest.tensors.values() if source in t.sources)
+    # the user edits the ORIGINAL model after conversion; OUT_DIR holds hard links to it
+    rewrite_tensor(model_dir / source.file, tensor_info(model_dir / source.file, source.name), lambda t: t.float() * 2)
+
+    level = failed_level(run_verify(out_dir), "content")
+    assert files_named(level.problems) == {source.file}
+    changed = next(p for p in level.problems if p.tensor == source.name)
+    assert f"source tensor '{source.name}' is not the one folded into '{fold}'" in changed.what
+
+    deep = check_deep(out_dir, manifest, VerifyOptions(level="deep", progress=False))
+    assert not deep.ok
+    assert [(p.file, p.tensor) for p in deep.problems] == [(source.file, source.name)]
+    assert "changed since conversion" in deep.problems[0].what
+
+
+def test_a_copied_output_is_independent_of_later_edits_to_the_original(converted: Converted) -> None:
+    model_dir, out_dir = converted("deepseek_v3", ConvertOptions(progress=False, link="copy"))
+    source = next(iter(read_manifest(out_dir).tensors.values())).sources[0]
+    rewrite_tensor(model_dir / source.file, tensor_info(model_dir / source.file, source.name), lambda t: -t)
+    assert run_verify(out_dir).ok
+
+
+def test_an_index_that_no_longer_matches_the_shard_headers_fails_structure(converted: Converted) -> None:
+    _, out_dir = converted("deepseek_v3")
+    path = out_dir / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    dropped = "model.layers.1.mlp.experts.0.up_proj.weight"
+    shard = index["weight_map"].pop(dropped)
+    size = path.stat().st_size
+    path.unlink()  # a new file: the model directory's hard-linked index stays as it was
+    path.write_text(json.dumps(index, indent=2).ljust(size))  # same size: the manifest level cannot tell
+    level = failed_level(run_verify(out_dir), "structure")
+    assert [(p.file, p.tensor) for p in level.problems] == [("model.safetensors.index.json", dropped)]
+    assert f"does not map tensor '{dropped}', which {shard}'s header holds" in level.problems[0].what
+
+
+# ------------------------------------------------------------------------------------------------
+# the manifest
+
+
+def test_cli_a_manifest_that_is_no_longer_json_is_unusable_input(converted: Converted) -> None:
+    _, out_dir = converted("deepseek_v3")
+    flip_byte(out_dir / MANIFEST_NAME, 0)  # the opening brace
+    with pytest.raises(FoldckptError, match=r"foldckpt\.json: invalid JSON"):
+        run_verify(out_dir)
+    run = run_foldckpt("verify", out_dir)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr.startswith("foldckpt: error: ") and f"{out_dir / MANIFEST_NAME}: invalid JSON" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_cli_a_flipped_hex_digit_in_a_file_hash_exits_1_naming_the_file_and_the_manifest(converted: Converted) -> None:
+    _, out_dir = converted("deepseek_v3")
+    shard = "model-00002-of-00003.safetensors"
+    flip_hex_digit_after(out_dir, read_manifest(out_dir).source_files[shard].sha256[:40])
+    run = run_foldckpt("verify", out_dir, "--quiet")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"- {shard}: sha256 " in run.stdout and "recorded in foldckpt.json" in run.stdout
+    level = failed_level(run_verify(out_dir), "content")
+    assert [(p.file, p.tensor) for p in level.problems] == [(shard, None)]
+
+
+def test_a_flipped_hex_digit_in_a_sidecar_hash_fails_content(converted: Converted) -> None:
+    _, out_dir = converted("kimi_k3", SMALL_SHARDS)
+    flip_hex_digit_after(out_dir, read_manifest(out_dir).sidecars[SIDECARS[2]].sha256[:40])
+    level = failed_level(run_verify(out_dir), "content")
+    assert [(p.file, p.tensor) for p in level.problems] == [(SIDECARS[2], None)]
+    assert "or the manifest was edited" in level.problems[0].what
+
+
+@pytest.mark.parametrize("record", ["tensor", "rank", "source"])
+def test_an_edited_tensor_hash_in_the_manifest_is_named_as_a_manifest_problem(converted: Converted, record: str) -> None:
+    _, out_dir = converted("kimi_k3", SMALL_SHARDS)
+    manifest = read_manifest(out_dir)
+    tensor = manifest.tensors[fold_names(out_dir, SIDECARS[1])[0]]
+    if record == "tensor":
+        needle, named = f'"sha256": "{tensor.sha256}'[:60], tensor.name
+    elif record == "rank":
+        needle, named = f'"{tensor.rank_sha256[4][2]}'[:40], tensor.name
+    else:
+        needle, named = f'"sha256": "{tensor.sources[1].sha256}'[:60], tensor.sources[1].name
+    flip_hex_digit_after(out_dir, needle)
+    # content hashes each file and each fold; --deep re-reads the fold inputs and every rank slice
+    level = failed_level(run_verify(out_dir), "content" if record == "tensor" else "deep")
+    (problem,) = level.problems
+    assert (problem.file, problem.tensor) == (MANIFEST_NAME, named)
+    where = SIDECARS[1] if record != "source" else tensor.sources[1].file
+    assert f"does not match its bytes in {where}" in problem.what
+    if record == "rank":
+        assert "rank 2/4 slice (rows 2304-3455)" in problem.what and "node of TP 4 would reject it" in problem.what
+        assert run_verify(out_dir, "content", rank=1, tp=4).ok  # the other nodes are unaffected
+        level = failed_level(run_verify(out_dir, "content", rank=2, tp=4), "content")
+        assert [(p.file, p.tensor) for p in level.problems] == [(SIDECARS[1], named)]
+    else:
+        assert "manifest was edited" in problem.what
+
+
+def test_a_hash_that_is_not_hex_fails_the_manifest_level(converted: Converted) -> None:
+    _, out_dir = converted("deepseek_v3")
+    path = out_dir / MANIFEST_NAME
+    digest = read_manifest(out_dir).source_files["config.json"].sha256
+    path.write_text(path.read_text().replace(digest, "g" + digest[1:]))
+    level = failed_level(run_verify(out_dir), "manifest")
+    assert files_named(level.problems) == {MANIFEST_NAME} and "'config.json' has sha256" in level.problems[0].what
+
+
+def test_a_manifest_file_name_escaping_the_output_is_refused_before_any_read(converted: Converted) -> None:
+    _, out_dir = converted("deepseek_v3")
+    path = out_dir / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    data["source_files"]["../model-00001-of-00003.safetensors"] = data["source_files"]["config.json"]
+    path.write_text(json.dumps(data))
+    level = failed_level(run_verify(out_dir), "manifest")
+    assert files_named(level.problems) == {MANIFEST_NAME} and "escapes the output directory" in level.problems[0].what
+
+
+# ------------------------------------------------------------------------------------------------
+# --deep: the math, when every hash has been made to agree
+
+
+def test_deep_catches_a_wrong_fold_whose_hashes_were_resealed(converted: Converted) -> None:
+    _, out_dir = converted("kimi_k3", SMALL_SHARDS)
+    (tensor,) = fold_names(out_dir, SIDECARS[1])
+    geometry = read_manifest(out_dir).geometry
+    heads = geometry.num_heads, geometry.fold_head_dim, geometry.q_lora_rank
+    rewrite_tensor(out_dir / SIDECARS[1], tensor_info(out_dir / SIDECARS[1], tensor),
+                   lambda t: t.reshape(heads)[[1, 0, *range(2, heads[0])]].reshape(t.shape))  # swap heads 0 and 1
+    reseal_manifest(out_dir)
+    assert run_verify(out_dir, "content").ok  # every hash agrees with the bytes ...
+    level = failed_level(run_verify(out_dir), "deep")  # ... but the fold is not the fold of its sources
+    assert [(p.file, p.tensor) for p in level.problems] == [(SIDECARS[1], tensor)]
+    assert "is not the fold of its sources" in level.problems[0].what
+
+
+def test_deep_accepts_a_fold_within_rounding_that_is_not_bitwise(converted: Converted) -> None:
+    _, out_dir = converted("kimi_k3", SMALL_SHARDS)
+    (tensor,) = fold_names(out_dir, SIDECARS[0])
+
+    def nudge(t: torch.Tensor) -> torch.Tensor:  # one ulp on one element: another machine's rounding
+        bits = t.view(torch.int16).clone()
+        bits[0, 0] += 1
+        return bits.view(torch.bfloat16)
+
+    rewrite_tensor(out_dir / SIDECARS[0], tensor_info(out_dir / SIDECARS[0], tensor), nudge)
+    reseal_manifest(out_dir)
+    report = run_verify(out_dir)
+    assert report.ok, report.to_dict()
+    assert "3/3 layer(s) recomputed: 2 bitwise identical, 1 within" in report.levels[-1].summary
+
+
+# ------------------------------------------------------------------------------------------------
+# the two ways content reads a file (memory map when cached, preadv + prefetch when not)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_both_read_paths_yield_exactly_the_file_bytes(converted: Converted, cached: bool) -> None:
+    _, out_dir = converted("deepseek_v3")
+    path = max(out_dir.glob("model-*.safetensors"), key=lambda p: p.stat().st_size)
+    data = path.read_bytes()
+    size = len(data)
+    assert size > 2 * HASH_BUFFER
+    segments = [(0, 100), (1000, size - 1000), (size - 7, size + 50)]  # the last runs past the end: clipped
+    with open(path, "rb", buffering=0) as handle:
+        got = [(pos, bytes(chunk)) for pos, chunk in _chunks(handle, size, segments, cached=cached)]
+    for start, end in segments:
+        assert b"".join(chunk for pos, chunk in got if start <= pos < end) == data[start:end]
+    assert [pos for pos, _ in got] == sorted(pos for pos, _ in got)
+    assert max(len(chunk) for _, chunk in got) == HASH_BUFFER
+
+
+def test_a_file_evicted_from_the_page_cache_is_read_and_still_named_when_damaged(converted: Converted) -> None:
+    _, out_dir = converted("deepseek_v3")
+    shard = "model-00002-of-00003.safetensors"
+    flip_byte(out_dir / shard, (out_dir / shard).stat().st_size // 2)
+    os.sync()
+    for path in out_dir.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    level = failed_level(run_verify(out_dir), "content")
+    assert files_named(level.problems) == {shard}
+
+
+# ------------------------------------------------------------------------------------------------
+# unusable input
+
+
+def test_cli_unusable_directories_exit_2_with_one_line(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    model_dir = make_model("deepseek_v3")
+    for target, message in [
+        (tmp_path / "nowhere", f"{tmp_path / 'nowhere'}: no such directory"),
+        (model_dir, f"{model_dir / MANIFEST_NAME}: not found"),
+        (model_dir / "config.json", f"{model_dir / 'config.json'}: not a directory"),
+    ]:
+        with pytest.raises(FoldckptError, match="not found|not a directory|no such directory"):
+            run_verify(target)
+        if target.name == "config.json":
+            continue  # the command line path is the same as for "nowhere"
+        run = run_foldckpt("verify", target, "--json")
+        assert run.returncode == 2, run.stdout + run.stderr
+        lines = run.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"foldckpt: error: {message}"), run.stderr
+        assert run.stdout == ""
