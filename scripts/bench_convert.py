@@ -26,12 +26,14 @@ import torch
 from foldckpt import __version__
 from foldckpt.synthetic import make_checkpoint
 
+# Peak RSS is read from VmHWM, the high-water mark of this process's own address space: ru_maxrss
+# would also count the bench parent's memory, which Linux carries across fork + exec.
 _CHILD = """
-import resource, sys, json
+import json, sys
 from foldckpt.convert import ConvertOptions, convert
 r = convert(sys.argv[1], sys.argv[2], ConvertOptions(progress=False))
-print(json.dumps({"layers": r.layers_total, "fold_bytes": r.fold_bytes,
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"layers": r.layers_total, "fold_bytes": r.fold_bytes, "peak_rss_bytes": hwm * 1024}))
 """
 
 
