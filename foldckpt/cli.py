@@ -168,7 +168,8 @@ def _print_verify(report: VerifyReport) -> None:
 @click.option("--sample", type=click.IntRange(min=1), default=None, help="With --deep: recompute only K layers.")
 @click.option("--rank", type=click.IntRange(min=0), default=None, help="Hash only this rank's slice of each fold.")
 @click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor-parallel size for --rank.")
-@click.option("--workers", type=click.IntRange(min=1), default=None, help="Hashing threads (default: one per core).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Hashing threads (default: one per core when the files are cached, else two per core).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def verify_command(out_dir: Path, level: str, deep: bool, sample: int | None, rank: int | None,
@@ -176,6 +177,8 @@ def verify_command(out_dir: Path, level: str, deep: bool, sample: int | None, ra
     """Check OUT_DIR against its manifest: files, structure, sha256, and (--deep) the math."""
     if (rank is None) != (tp is None):
         raise click.UsageError("--rank and --tp go together")
+    if sample is not None and not (deep or level == "deep"):
+        raise click.UsageError("--sample applies to --deep")
     options = VerifyOptions(
         level="deep" if deep else level, sample=sample, rank=rank, tp=tp, workers=workers,
         progress=not quiet and not as_json,

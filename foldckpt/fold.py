@@ -95,6 +95,8 @@ def sample_heads(num_heads: int, count: int = 4) -> tuple[int, ...]:
     """Deterministic, evenly spread head sample that always includes the first and last head."""
     if count >= num_heads:
         return tuple(range(num_heads))
+    if count <= 1:
+        return (0,)
     step = (num_heads - 1) / (count - 1)
     return tuple(sorted({round(i * step) for i in range(count)}))
 
