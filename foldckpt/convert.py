@@ -206,16 +206,19 @@ def _write_shard(
 
 
 def _hash_sources(plan: ConversionPlan, out_dir: Path, journal: Journal, options: ConvertOptions) -> None:
-    todo = [n for n in plan.files_to_place if n not in journal.source_hashes]
-    total = sum((out_dir / n).stat().st_size for n in todo)
+    """Hash every placed source file in parallel, largest first so that no big shard starts last
+    and runs alone; each digest is journaled as it lands."""
+    sizes = {n: (out_dir / n).stat().st_size for n in plan.files_to_place if n not in journal.source_hashes}
     workers = options.workers or os.cpu_count() or 1
     with (
-        tqdm(total=total, unit="B", unit_scale=True, desc="hashing sources", disable=not options.progress) as bar,
+        tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc="hashing sources",
+             disable=not options.progress) as bar,
         ThreadPoolExecutor(max_workers=workers) as pool,
-    ):
-        futures = {n: pool.submit(sha256_file, out_dir / n, bar.update) for n in todo}
+    ):  # fmt: skip
+        largest_first = sorted(sizes, key=sizes.__getitem__, reverse=True)
+        futures = {n: pool.submit(sha256_file, out_dir / n, bar.update) for n in largest_first}
         for name, future in futures.items():
-            journal.source_hashes[name] = FileRecord((out_dir / name).stat().st_size, future.result()).to_dict()
+            journal.source_hashes[name] = FileRecord(sizes[name], future.result()).to_dict()
             journal.save()
 
 

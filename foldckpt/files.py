@@ -121,18 +121,6 @@ def sha256_file(path: Path, progress: Callable[[int], object] | None = None) -> 
     return digest.hexdigest()
 
 
-def sha256_files(
-    paths: list[Path], workers: int | None = None, progress: Callable[[int], object] | None = None
-) -> dict[Path, str]:
-    """Hash many files in parallel (one thread per core by default), largest first so that no
-    big file starts last and runs alone."""
-    workers = workers or os.cpu_count() or 1
-    ordered = sorted(paths, key=lambda p: os.stat(p).st_size, reverse=True)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        digests = dict(zip(ordered, pool.map(lambda p: sha256_file(p, progress), ordered)))
-    return {path: digests[path] for path in paths}
-
-
 def _copy(src: Path, dst: Path, progress: Callable[[int], object] | None) -> None:
     with open(src, "rb") as reader, atomic_output(dst) as writer:
         while chunk := reader.read(HASH_CHUNK):
