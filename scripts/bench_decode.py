@@ -12,7 +12,8 @@ For Kimi-K3 at TP4/8/16 and DeepSeek-V3 at TP8 and M from 1 to 8192 tokens it ti
 Each time is the median over replays of a CUDA graph of 32 back-to-back calls spread over 16
 layer copies of the weights (so no layer's weights are still in L2 when it runs again). The
 floor is the bytes of W_fold + x + y over the device-to-device copy bandwidth measured in the
-same run. Every variant's output is checked against an fp64 reference of the unfolded math.
+same run. Before each point the GPU works for 0.2 s so that no variant meets idle clocks. Every
+variant's output is checked against an fp64 reference of the unfolded math.
 Writes docs/bench/decode_<gpu>.json and decode_<gpu>.png.
 """
 
@@ -38,6 +39,7 @@ from foldckpt.runtime.kernels.timing import (  # noqa: E402
     measure_copy_bandwidth,
     measure_kernel_overhead_us,
     relative_error,
+    settle_clocks,
     time_graphs_us,
 )
 from foldckpt.runtime.kernels.tuning import TRITON_MAX_M, KernelConfig, load_table  # noqa: E402
@@ -135,6 +137,7 @@ def bench_model(
         for name, fn in variants.items():
             errs[name] = relative_error(as_query(fn(0), dims), ref)
             errors[name] = max(errors.get(name, 0.0), errs[name])
+        settle_clocks(device)
         times = time_graphs_us({name: [partial(fn, i) for i in layers.order()] for name, fn in variants.items()})
         floor_bytes = (n * k + m * k + m * n) * 2
         record = {

@@ -30,7 +30,8 @@ ODD_MS = (1, 3, 7, 13, 57, 129, 255)
 # bf16 output rounding alone gives ~1e-3; a wrong tile or a lost split gives O(1).
 MAX_RELERR = 4e-3
 # Fixed configs covering every kernel path (mma.sync / wgmma, split or not, TMA or pointers,
-# ragged row ownership, several M tiles) independent of what the tuner picked.
+# ragged row ownership, several M tiles, programmatic dependent launch) independent of what the
+# tuner picked.
 FIXED_CONFIGS = (
     KernelConfig(16, 32, 128, 1, 4, 4),
     KernelConfig(16, 64, 128, 4, 4, 4),
@@ -39,6 +40,8 @@ FIXED_CONFIGS = (
     KernelConfig(128, 128, 64, 6, 8, 3, use_tma=True),
     KernelConfig(16, 64, 128, 1, 4, 5, rows_per_program=53),
     KernelConfig(64, 64, 64, 2, 4, 4, rows_per_program=37),
+    KernelConfig(16, 64, 128, 1, 4, 5, pdl=True),
+    KernelConfig(64, 64, 128, 2, 4, 4, use_tma=True, pdl=True),
 )
 
 
@@ -68,6 +71,42 @@ def test_kernel_matches_fp64(cuda: torch.device, gen: torch.Generator, n: int) -
             triton_gemm.launch_fold_gemm(x, w, y, cfg)
             err = relerr(y, x, w)
             assert err < MAX_RELERR, f"N={n} M={m} {cfg}: relerr {err}"
+
+
+@pytest.mark.parametrize("cfg", [c for c in FIXED_CONFIGS if c.pdl], ids=str)
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
+def test_pdl_reads_the_x_its_predecessor_writes(
+    cuda: torch.device, gen: torch.Generator, cfg: KernelConfig, graphed: bool
+) -> None:
+    """With PDL the kernel is resident before the kernel writing x has finished; the device-side
+    wait must still hand it that kernel's x. Each step overwrites the one x buffer with a long
+    GEMM right before the fold reads it, so a missing or misplaced wait reads the previous x."""
+    triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
+    n, m, steps = SHAPES[1], cfg.block_m - 3, 12
+    w = torch.randn(n, K, device=cuda, generator=gen).bfloat16()
+    a = torch.randn(steps, m, 16384, device=cuda, generator=gen).bfloat16() / 128
+    b = torch.randn(16384, K, device=cuda, generator=gen).bfloat16()
+    x = torch.empty(m, K, device=cuda, dtype=torch.bfloat16)
+    ys = torch.full((steps, m, n), float("nan"), device=cuda, dtype=torch.bfloat16)
+    triton_gemm.reserve_workspace(cuda, *triton_gemm.workspace_needs(m, n, cfg))
+
+    def run() -> None:
+        for i in range(steps):
+            torch.matmul(a[i], b, out=x)
+            triton_gemm.launch_fold_gemm(x, w, ys[i], cfg)
+
+    run()
+    if graphed:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        ys.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    for i in range(steps):
+        xi = torch.matmul(a[i], b)
+        assert relerr(ys[i], xi, w) < MAX_RELERR, f"step {i}: read another step's x"
 
 
 def test_split_k_is_deterministic_and_resets_counters(cuda: torch.device, gen: torch.Generator) -> None:

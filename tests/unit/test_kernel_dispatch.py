@@ -30,7 +30,7 @@ CPU = torch.device("cpu")
 def _doc(shapes: list[tuple[int, int]]) -> dict:
     """A minimal valid table document with one bucket per shape."""
     bucket = {"m_max": 16, "backend": "triton", "block_m": 16, "block_n": 64, "block_k": 128, "split_k": 4}
-    bucket |= {"num_warps": 4, "num_stages": 4, "use_tma": False, "rows_per_program": 0}
+    bucket |= {"num_warps": 4, "num_stages": 4, "use_tma": False, "rows_per_program": 0, "pdl": True}
     return {
         "meta": {"gpu": "nvidia_test"},
         "shape": [{"n": n, "k": 1536, "fold_max_tokens": t, "bucket": [dict(bucket)]} for n, t in shapes],
@@ -129,6 +129,10 @@ def test_parse_table_rejects_bad_documents() -> None:
     no_fit["shape"][0]["bucket"][0]["split_k"] = 5
     with pytest.raises(FoldckptError, match="multiple"):
         parse_table(no_fit, "nofit")
+    pdl_as_int = _doc([(6912, 224)])
+    pdl_as_int["shape"][0]["bucket"][0]["pdl"] = 1
+    with pytest.raises(FoldckptError, match="'pdl' has 1"):
+        parse_table(pdl_as_int, "pdl")
 
 
 def test_crossover_uses_measured_or_conservative_neighbour() -> None:

@@ -10,6 +10,7 @@ The bandwidth ceiling is measured in the same process, never assumed.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -18,6 +19,7 @@ __all__ = [
     "measure_copy_bandwidth",
     "measure_kernel_overhead_us",
     "relative_error",
+    "settle_clocks",
     "time_graph_us",
     "time_graphs_us",
 ]
@@ -67,6 +69,20 @@ def time_graphs_us(
 def time_graph_us(calls: Sequence[Callable[[], object]], replays: int = 15, warmup: int = 3) -> float:
     """``time_graphs_us`` for a single variant."""
     return time_graphs_us({"calls": calls}, replays, warmup)["calls"]
+
+
+def settle_clocks(device: torch.device, seconds: float = 0.2) -> None:
+    """Keep the GPU busy for ``seconds`` so that what is timed next does not meet idle clocks.
+
+    An H200 idles at a few hundred MHz; after host-side set-up (weights, fp64 references) the
+    first graph replays of a point ran 5-10% slow, enough to fake a routing loss.
+    """
+    a = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize(device)
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 4 << 30, iters: int = 10) -> float:

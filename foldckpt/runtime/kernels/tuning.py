@@ -21,6 +21,7 @@ measurements, never by hand-picked numbers. Layout::
     num_stages = 5
     use_tma = false
     rows_per_program = 0        rows of W per program (<= block_n; 0 = block_n)
+    pdl = true                  launch with programmatic dependent launch (sm_90+)
     triton_us = 7.417           the measurements behind the choice (informative)
     torch_us = 8.131
 """
@@ -67,7 +68,10 @@ UNKNOWN_GPU_FOLD_MAX_TOKENS = 64
 # Largest token count the Triton kernel is tuned for; above it the fold uses torch.
 TRITON_MAX_M = 256
 
-_KERNEL_KEYS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "use_tma", "rows_per_program")
+_KERNEL_KEYS = (
+    "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "use_tma", "rows_per_program", "pdl"
+)  # fmt: skip
+_BOOL_KEYS = ("use_tma", "pdl")
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,9 @@ class KernelConfig:
     # Rows of W each program owns (<= block_n); 0 means block_n. Fewer rows than the tile spread
     # a shape evenly over the SMs, so the tuner picks it per (N, bucket).
     rows_per_program: int = 0
+    # Programmatic dependent launch (sm_90+): the kernel starts while the previous one drains,
+    # queues an L2 prefetch of its W rows, and only then waits for the previous kernel's writes.
+    pdl: bool = False
 
     def rows(self, n: int) -> int:
         """Rows of W per program for an ``n``-row weight."""
@@ -149,7 +156,7 @@ def _parse_bucket(raw: Mapping[str, Any], k: int, where: str) -> Bucket:
     backend = _require(raw, "backend", str, where)
     if backend not in ("triton", "torch"):
         raise FoldckptError(f"{where}: backend {backend!r} is not 'triton' or 'torch'")
-    values = {key: _require(raw, key, bool if key == "use_tma" else int, where) for key in _KERNEL_KEYS}
+    values = {key: _require(raw, key, bool if key in _BOOL_KEYS else int, where) for key in _KERNEL_KEYS}
     config = KernelConfig(**values)
     if not config.fits(k):
         raise FoldckptError(f"{where}: k={k} is not a multiple of split_k*block_k of {config}")
