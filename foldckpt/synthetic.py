@@ -100,8 +100,13 @@ def _deepseek_text_config(d: TinyDims, layers: int, mtp: int) -> dict[str, Any]:
         "v_head_dim": d.v_head, "qk_nope_head_dim": d.nope, "topk_method": "noaux_tc", "n_group": 1,
         "topk_group": 1, "num_experts_per_tok": 2, "moe_layer_freq": 1, "first_k_dense_replace": 1,
         "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu",
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
+        "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        # DeepSeek-V3's own YaRN settings: vLLM builds its DeepseekScalingRotaryEmbedding from them.
+        "rope_scaling": {
+            "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+        },
+        "attention_bias": False, "attention_dropout": 0.0,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
         "bos_token_id": _BYTE_VOCAB, "eos_token_id": _BYTE_VOCAB + 1, "initializer_range": 0.02,
     }  # fmt: skip

@@ -9,6 +9,12 @@ For Kimi-K3 at TP4/8/16 and DeepSeek-V3 at TP8 and M from 1 to 8192 tokens it ti
   folded_torch   one GEMM with W_fold through F.linear (cuBLAS)
   folded_triton  the same GEMM through the tuned Triton kernel (M <= 256 only)
   routed         what the plugin does: fold_gemm if M <= fold_route_max_tokens, else unfolded
+and the decode query path with RoPE (q_pe and k_pe), what a decode step really launches:
+  path_unfolded  vLLM: q_b_proj, one RoPE launch, W_UK bmm (vLLM's rotary CUDA op is not on the
+                 benchmark machine; the project's one-launch Triton RoPE stands in for it)
+  path_routed    the plugin: fold_query (the fold GEMM with RoPE in its epilogue where the table
+                 says so, else followed by one RoPE launch for q and k) if
+                 M <= fold_route_max_tokens, else path_unfolded
 Each time is the median over replays of a CUDA graph of 32 back-to-back calls spread over 16
 layer copies of the weights (so no layer's weights are still in L2 when it runs again). The
 floor is the bytes of W_fold + x + y over the device-to-device copy bandwidth measured in the
@@ -20,6 +26,7 @@ Writes docs/bench/decode_<gpu>.json and decode_<gpu>.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -33,8 +40,23 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from foldckpt.runtime.kernels import fold_gemm, fold_route_max_tokens, gpu_key, warmup_fold_gemm  # noqa: E402
-from foldckpt.runtime.kernels.reference import MlaDims, fold_weight, reference_query, unfolded_query  # noqa: E402
+from foldckpt.runtime.kernels import (  # noqa: E402
+    QueryRope,
+    fold_gemm,
+    fold_query,
+    fold_route_max_tokens,
+    gpu_key,
+    warmup_fold_gemm,
+    warmup_fold_query,
+)
+from foldckpt.runtime.kernels.reference import (  # noqa: E402
+    MlaDims,
+    decode_rope,
+    fold_weight,
+    reference_query,
+    unfolded_query,
+)
+from foldckpt.runtime.kernels.rope import rope_gptj  # noqa: E402
 from foldckpt.runtime.kernels.timing import (  # noqa: E402
     measure_copy_bandwidth,
     measure_kernel_overhead_us,
@@ -48,7 +70,7 @@ MODELS = (("Kimi-K3", 96, 4), ("Kimi-K3", 96, 8), ("Kimi-K3", 96, 16), ("DeepSee
 MS = (1, 2, 4, 8, 14, 28, 56, 112, 224, 512, 1024, 2048, 8192)
 LAYER_COPIES = 16
 CALLS_PER_GRAPH = 32
-VARIANTS = ("unfolded", "folded_torch", "folded_triton", "routed")
+VARIANTS = ("unfolded", "folded_torch", "folded_triton", "routed", "path_unfolded", "path_routed")
 # A q projection's result: the fold's y [M, n*(L+R)], or the unfolded (ql_nope, q_pe) views.
 Query = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -78,11 +100,11 @@ def as_query(out: Query, dims: MlaDims) -> torch.Tensor:
     """The [M, n, L+R] decode query of either path: the fold's y viewed, or [ql_nope | q_pe]."""
     if isinstance(out, tuple):
         return torch.cat(out, dim=-1)
-    return out.view(out.shape[0], dims.heads, dims.kv_lora + dims.rope)
+    return out.view(out.shape[0], dims.heads, dims.fold_head)
 
 
 def variants_at(
-    x: torch.Tensor, layers: Layers, cfg: KernelConfig | None, max_tokens: int
+    x: torch.Tensor, layers: Layers, cfg: KernelConfig | None, max_tokens: int, rope: QueryRope
 ) -> dict[str, Callable[[int], Query]]:
     """The timed q projections for input ``x``, each a function of the layer copy index."""
     from foldckpt.runtime.kernels import triton_gemm
@@ -103,7 +125,18 @@ def variants_at(
     def routed(i: int) -> Query:
         return fold_gemm(x, layers.folds[i]) if m <= max_tokens else unfolded(i)
 
-    variants = {"unfolded": unfolded, "folded_torch": folded_torch, "routed": routed}
+    rope_unfolded = dataclasses.replace(rope, head_dim=dims.nope + dims.rope)
+
+    def path_unfolded(i: int) -> Query:
+        return unfolded_query(x, layers.qbs[i], layers.uks[i], dims, rope_unfolded)
+
+    def path_routed(i: int) -> Query:
+        return fold_query(x, layers.folds[i], rope) if m <= max_tokens else path_unfolded(i)
+
+    variants = {
+        "unfolded": unfolded, "folded_torch": folded_torch, "routed": routed,
+        "path_unfolded": path_unfolded, "path_routed": path_routed,
+    }  # fmt: skip
     if cfg is not None:
         variants["folded_triton"] = folded_triton
     return variants
@@ -119,6 +152,7 @@ def bench_model(
     n, k = dims.fold_rows, dims.q_lora
     max_tokens = fold_route_max_tokens(n, k, device)
     warmup_fold_gemm(layers.fold, min(max(MS), max_tokens))
+    warmup_fold_query(layers.fold, min(max(MS), max_tokens), decode_rope(1, dims, device).cos_sin_cache, dims.fold_head)
     table = load_table(gpu_key(device))
     entry = table.shapes.get((n, k)) if table is not None else None
 
@@ -127,15 +161,18 @@ def bench_model(
     for m in MS:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         ref = reference_query(x, layers.qb, layers.uk, dims)
+        rope = decode_rope(m, dims, device)
+        roped_ref = ref.clone()
+        roped_ref[..., dims.kv_lora :] = rope_gptj(ref[..., dims.kv_lora :], rope.positions, rope.cos_sin_cache)
         bucket = entry.bucket_for(m) if entry is not None and m <= TRITON_MAX_M else None
         cfg = bucket.config if bucket is not None else None
 
         if cfg is not None:
             triton_gemm.reserve_workspace(device, *triton_gemm.workspace_needs(m, n, cfg))
-        variants = variants_at(x, layers, cfg, max_tokens)
+        variants = variants_at(x, layers, cfg, max_tokens, rope)
         errs = {}
         for name, fn in variants.items():
-            errs[name] = relative_error(as_query(fn(0), dims), ref)
+            errs[name] = relative_error(as_query(fn(0), dims), roped_ref if name.startswith("path_") else ref)
             errors[name] = max(errors.get(name, 0.0), errs[name])
         settle_clocks(device)
         times = time_graphs_us({name: [partial(fn, i) for i in layers.order()] for name, fn in variants.items()})
@@ -149,6 +186,8 @@ def bench_model(
             "folded_triton_us": round(times["folded_triton"], 3) if "folded_triton" in times else None,
             "routed_us": round(times["routed"], 3),
             "floor_us": round(floor_bytes / bandwidth * 1e6, 3),
+            "path_unfolded_us": round(times["path_unfolded"], 3),
+            "path_routed_us": round(times["path_routed"], 3),
             "max_relerr": float(f"{max(errs.values()):.3e}"),
         }
         records.append(record)
@@ -171,6 +210,12 @@ def target_checks(records: list[dict], overhead: float) -> list[str]:
             lines.append(
                 f"Kimi-K3 TP8 M={r['M']}: triton {t:.2f} us, {r['unfolded_us'] / t:.2f}x vs unfolded (target >= 1.35), "
                 f"{t / r['floor_us']:.2f}x floor (target <= 1.30)"
+            )
+    for r in records:
+        if r["model"] == "Kimi-K3" and r["tp"] == 8 and r["M"] <= 56:
+            lines.append(
+                f"Kimi-K3 TP8 M={r['M']}: decode q path with RoPE {r['path_unfolded_us']:.2f} -> "
+                f"{r['path_routed_us']:.2f} us ({r['path_unfolded_us'] / r['path_routed_us']:.2f}x)"
             )
     worst = min(records, key=lambda r: routed_ratio(r))
     lines.append(
@@ -200,15 +245,20 @@ def plot(doc: dict, path: Path) -> None:
         "folded_triton_us": ("folded, Triton", "tab:red", "^-"),
         "routed_us": ("routed", "black", "--"),
         "floor_us": ("bandwidth floor (W_fold+x+y)", "tab:green", ":"),
+        "path_unfolded_us": ("q path + RoPE, vLLM", "tab:purple", "x:"),
+        "path_routed_us": ("q path + RoPE, plugin", "tab:orange", "d-"),
     }
+    # Each speed-up is against the unfolded variant doing the same work.
+    baselines = {"path_routed_us": "path_unfolded_us"}
     for col, (model, tp) in enumerate(deployments):
         rows = sorted((r for r in doc["records"] if r["model"] == model and r["tp"] == tp), key=lambda r: r["M"])
         top, bottom = axes[0][col], axes[1][col]
         for key, (label, color, style) in styles.items():
             pts = [(r["M"], r[key]) for r in rows if r[key] is not None]
             top.plot(*zip(*pts, strict=True), style, color=color, label=label, markersize=3, linewidth=1.2)
-            if key not in ("unfolded_us", "floor_us"):
-                speed = [(r["M"], r["unfolded_us"] / r[key]) for r in rows if r[key] is not None]
+            if key not in ("unfolded_us", "floor_us", "path_unfolded_us"):
+                base = baselines.get(key, "unfolded_us")
+                speed = [(r["M"], r[base] / r[key]) for r in rows if r[key] is not None]
                 bottom.plot(*zip(*speed, strict=True), style, color=color, label=label, markersize=3, linewidth=1.2)
         top.set(xscale="log", yscale="log", title=f"{model} TP{tp}", ylabel="µs per layer")
         bottom.axhline(1.0, color="tab:gray", linewidth=0.8)

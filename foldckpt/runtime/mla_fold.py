@@ -9,7 +9,9 @@ attention metadata, which compiled code cannot branch on. So :class:`FoldedMLAWr
 compiled graph, a splitting op for piecewise CUDA graphs), and that op routes per batch:
 
 - decode rows, when the batch has at most ``fold_max_tokens`` of them:
-  ``y = q_fold(q_c).view(m, n, L+R)``, RoPE on ``y[..., L:]``, ``y`` is the MQA query;
+  ``y = q_fold(q_c).view(m, n, L+R)`` with RoPE on ``y[..., L:]`` and on those rows' ``k_pe``
+  (one launch where the tuned GPU kernel serves the batch: ``kernels.fold_query``), ``y`` is
+  the MQA query;
 - prefill rows (also in a mixed batch, the "pre-route"): ``q_b_proj`` + RoPE -> MHA prefill;
 - a decode batch above the threshold, or a profiling run: exactly vLLM's unfolded path.
 
@@ -30,6 +32,7 @@ from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
 from vllm.model_executor.layers.linear import ColumnParallelLinear
 from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
+from vllm.model_executor.layers.rotary_embedding import DeepseekScalingRotaryEmbedding, RotaryEmbedding
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import (
     LayerNameType,
@@ -41,7 +44,7 @@ from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from foldckpt.errors import FoldckptError
 from foldckpt.runtime import stats
-from foldckpt.runtime.kernels import fold_gemm
+from foldckpt.runtime.kernels import QueryRope, fold_gemm, fold_query, rope_query, warmup_fold_query
 from foldckpt.runtime.loader import FoldSet, cached_fold_set, is_converted
 from foldckpt.runtime.weights import FoldBuild, SidecarFoldMethod
 
@@ -52,6 +55,9 @@ SPLITTING_OP = f"{OP_NAMESPACE}::{OP_NAME}"
 # Attention layer name -> the folded wrapper that owns it (what the custom op dispatches on).
 _FOLDED: "weakref.WeakValueDictionary[str, FoldedMLAWrapper]" = weakref.WeakValueDictionary()
 _build: FoldBuild | None = None
+# RoPE implementations that are a lookup in ``cos_sin_cache`` and nothing else (subclasses that
+# only build another cache inherit one of these): what ``kernels.fold_query`` reproduces.
+_CACHE_LOOKUP_ROPES = (RotaryEmbedding.forward_native, DeepseekScalingRotaryEmbedding.forward_native)
 
 
 def _current_build(fold_set: FoldSet) -> FoldBuild:
@@ -126,8 +132,25 @@ class FoldedMLAWrapper(MultiHeadLatentAttentionWrapper):
                 f"nope, rope, v) = {built}, the fold manifest describes {expected}"
             )
 
-    def _fold_loaded(self, max_tokens: int) -> None:
+    def _fold_loaded(self, max_tokens: int) -> bool:
+        """Take the routing threshold; answer whether fold_query does this layer's decode RoPE."""
         self.fold_max_tokens = max_tokens
+        cache = self._rope_cache()
+        # vLLM's CPU post-processing replaces ``weight`` with a packed form: nothing to warm there.
+        weight = getattr(self.q_fold, "weight", None)
+        if cache is not None and weight is not None and weight.is_cuda:
+            warmup_fold_query(weight, max_tokens, cache, self.kv_lora_rank + self.qk_rope_head_dim)
+        return cache is not None
+
+    def _rope_cache(self) -> torch.Tensor | None:
+        """vLLM's cos/sin cache when this layer's RoPE is what ``fold_query`` implements (a
+        GPT-J-layout cache lookup over the whole rope head dim, plain or YaRN), else None."""
+        rope = self.rotary_emb
+        if rope is None or type(rope).forward_native not in _CACHE_LOOKUP_ROPES or rope.is_neox_style:
+            return None
+        if rope.rotary_dim != self.qk_rope_head_dim or rope.head_size != self.qk_rope_head_dim:
+            return None
+        return rope.cos_sin_cache
 
     # ----------------------------------------------------------------------------------------
     # Traced part (inside torch.compile): everything up to the op, with no metadata in sight.
@@ -185,10 +208,10 @@ class FoldedMLAWrapper(MultiHeadLatentAttentionWrapper):
                 "weight post-processing); refusing to run with an uninitialised fold"
             )
         attn_metadata, attn, kv_cache, slot_mapping = get_attention_context(self._op_layer_name)
-        # RoPE rotates k_pe in place on some platforms; the op must not mutate its inputs.
-        k_pe = k_pe.clone()
         decode = 0 if attn_metadata is None else attn_metadata.num_decode_tokens
         if not 0 < decode <= self.fold_max_tokens:
+            # RoPE rotates k_pe in place on some platforms; the op must not mutate its inputs.
+            k_pe = k_pe.clone()
             q = self._q_b_proj(q_c, positions, k_pe, llama_4_scaling)
             self._update_kv_cache(attn, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata)
             attn.forward_impl(q, kv_c_normed, k_pe, kv_cache, attn_metadata, output=output)
@@ -200,11 +223,17 @@ class FoldedMLAWrapper(MultiHeadLatentAttentionWrapper):
         decode_scale = prefill_scale = None
         if llama_4_scaling is not None:
             decode_scale, prefill_scale = llama_4_scaling[:decode], llama_4_scaling[decode:total]
-        query = self._q_fold(q_c[:decode], positions[:decode], k_pe[:decode], decode_scale)
+        # The rotated key goes to a buffer of its own (the op must not mutate its input k_pe): the
+        # decode rows straight from the fold, prefill rows copied then rotated by vLLM's RoPE.
+        # Rows past ``total`` (CUDA-graph padding) stay unwritten; their slots are -1.
+        k_roped = torch.empty(k_pe.shape, dtype=k_pe.dtype, device=k_pe.device)
+        query = self._q_fold(q_c[:decode], positions[:decode], k_pe[:decode], k_roped[:decode], decode_scale)
         q_prefill = None
         if total > decode:
             rows = slice(decode, total)
-            q_prefill = self._q_b_proj(q_c[rows], positions[rows], k_pe[rows], prefill_scale)
+            k_roped[rows] = k_pe[rows]
+            q_prefill = self._q_b_proj(q_c[rows], positions[rows], k_roped[rows], prefill_scale)
+        k_pe = k_roped
         self._update_kv_cache(attn, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata)
         if is_quantized_kv_cache(attn.kv_cache_dtype):
             # As MLAAttention.forward_impl: attention reads the cache as fp8 and, where the
@@ -233,17 +262,29 @@ class FoldedMLAWrapper(MultiHeadLatentAttentionWrapper):
         q_c: torch.Tensor,
         positions: torch.Tensor,
         k_pe: torch.Tensor,
+        k_out: torch.Tensor,
         llama_4_scaling: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The MQA query ``[m, n, L+R]`` of decode rows: one GEMM, RoPE on the last R."""
+        """The MQA query ``[m, n, L+R]`` of decode rows (one GEMM, RoPE on the last R) and their
+        rotated key into ``k_out`` (``[m, 1, R]``, like ``k_pe``)."""
         assert self.q_fold is not None
-        if q_c.device.type == "cpu":
-            # vLLM's CPU post-processing repacks the weight and removes ``.weight``.
-            y = self.q_fold(q_c)[0]
+        head_dim = self.kv_lora_rank + self.qk_rope_head_dim
+        cache = self._rope_cache()
+        # vLLM's CPU post-processing repacks the weight and removes ``.weight``: the layer runs it.
+        on_cpu = q_c.device.type == "cpu"
+        if cache is not None:
+            rope = QueryRope(positions, cache, k_pe[:, 0], k_out[:, 0], head_dim)
+            if on_cpu:
+                y = self.q_fold(q_c)[0]
+                rope_query(y, rope)
+            else:
+                y = fold_query(q_c, self.q_fold.weight, rope)
+            y = y.view(q_c.shape[0], self.num_heads, head_dim)
         else:
-            y = fold_gemm(q_c, self.q_fold.weight)
-        y = y.view(q_c.shape[0], self.num_heads, self.kv_lora_rank + self.qk_rope_head_dim)
-        self._rope(positions, y[..., self.kv_lora_rank :], k_pe)
+            y = self.q_fold(q_c)[0] if on_cpu else fold_gemm(q_c, self.q_fold.weight)
+            y = y.view(q_c.shape[0], self.num_heads, head_dim)
+            k_out.copy_(k_pe)
+            self._rope(positions, y[..., self.kv_lora_rank :], k_out)
         if llama_4_scaling is not None:
             y *= llama_4_scaling
         return y

@@ -41,7 +41,7 @@ class FoldBuild:
     built: int = 0
     loaded: int = 0
 
-    def layer_loaded(self, max_tokens: int, dtype: torch.dtype) -> None:
+    def layer_loaded(self, max_tokens: int, dtype: torch.dtype, rope_by_fold_query: bool) -> None:
         self.loaded += 1
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         recorder = stats.open_worker_stats(tp_rank, tp_size)
@@ -50,10 +50,12 @@ class FoldBuild:
         if self.loaded == self.built:
             logger.info(
                 "foldckpt: folded %d MLA layers of %s (fold %s, computed in %s); decode batches of "
-                "at most %d tokens use q_fold, larger ones and all prefill rows use q_b_proj "
+                "at most %d tokens use q_fold (%s), larger ones and all prefill rows use q_b_proj "
                 "(tp rank %d of %d)",
                 self.loaded, self.fold_set.model_dir, self.fold_set.manifest.fold_dtype,
-                str(dtype).removeprefix("torch."), max_tokens, tp_rank, tp_size,
+                str(dtype).removeprefix("torch."), max_tokens,
+                "q/k RoPE by fold_query" if rope_by_fold_query else "q/k RoPE by vLLM's rotary module",
+                tp_rank, tp_size,
             )  # fmt: skip
 
 
@@ -61,11 +63,11 @@ class SidecarFoldMethod(UnquantizedLinearMethod):
     """Unquantized linear whose weight comes from the fold sidecar instead of the checkpoint.
 
     ``on_loaded(max_tokens)`` tells the owning layer its decode routing threshold once the
-    weight is in place.
+    weight is in place; it answers whether fold_query does that layer's decode RoPE.
     """
 
     def __init__(
-        self, fold_set: FoldSet, layer: MLALayer, build: FoldBuild, on_loaded: Callable[[int], None]
+        self, fold_set: FoldSet, layer: MLALayer, build: FoldBuild, on_loaded: Callable[[int], bool]
     ) -> None:
         super().__init__()
         self.fold_set = fold_set
@@ -90,5 +92,5 @@ class SidecarFoldMethod(UnquantizedLinearMethod):
         super().process_weights_after_loading(layer)
         if device.type == "cuda":
             warmup_fold_gemm(layer.weight, max_tokens)
-        self.on_loaded(max_tokens)
-        self.build.layer_loaded(max_tokens, dtype)
+        rope_by_fold_query = self.on_loaded(max_tokens)
+        self.build.layer_loaded(max_tokens, dtype, rope_by_fold_query)

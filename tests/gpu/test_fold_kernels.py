@@ -10,8 +10,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from foldckpt.runtime.kernels import fold_gemm, fold_route_max_tokens, gpu_key, warmup_fold_gemm
-from foldckpt.runtime.kernels.reference import MlaDims
+from foldckpt.runtime.kernels import (
+    QueryRope,
+    fold_gemm,
+    fold_query,
+    fold_route_max_tokens,
+    gpu_key,
+    rope_query,
+    warmup_fold_gemm,
+    warmup_fold_query,
+)
+from foldckpt.runtime.kernels.reference import MlaDims, decode_rope
+from foldckpt.runtime.kernels.rope import rope_gptj
 from foldckpt.runtime.kernels.tuning import (
     ENV_FOLD_MAX_TOKENS,
     TRITON_MAX_M,
@@ -154,7 +164,7 @@ def test_dispatch_uses_triton_where_the_table_says(
     launches: list[KernelConfig] = []
     real = triton_gemm.launch_fold_gemm
     monkeypatch.setattr(
-        triton_gemm, "launch_fold_gemm", lambda x, w, y, cfg: (launches.append(cfg), real(x, w, y, cfg))
+        triton_gemm, "launch_fold_gemm", lambda x, w, y, cfg, rope=None: (launches.append(cfg), real(x, w, y, cfg, rope))
     )
     for entry in table.shapes.values():
         w = torch.randn(entry.n, entry.k, device=cuda, generator=gen).bfloat16()
@@ -217,3 +227,107 @@ def test_torch_fallback_for_untuned_shape(cuda: torch.device, gen: torch.Generat
     w = torch.randn(1000, 1000, device=cuda, generator=gen).bfloat16()
     x = torch.randn(7, 1000, device=cuda, generator=gen).bfloat16()
     assert torch.equal(fold_gemm(x, w), F.linear(x, w))
+
+
+# --------------------------------------------------------------------------------------------
+# fold_query: the fold GEMM with the decode step's query/key RoPE.
+# --------------------------------------------------------------------------------------------
+L = MlaDims(1).kv_lora
+HEAD = MlaDims(1).fold_head
+
+
+def rope_case(
+    cuda: torch.device, gen: torch.Generator, m: int, cache_dtype: torch.dtype = torch.bfloat16
+) -> tuple[QueryRope, torch.Tensor]:
+    """A QueryRope as the plugin builds it, and its fp64 key reference."""
+    rope = decode_rope(m, MlaDims(1), cuda, gen, cache_dtype)
+    return rope, rope_gptj(rope.k_pe.double(), rope.positions, rope.cos_sin_cache)
+
+
+def check_query(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rope: QueryRope, k_ref: torch.Tensor, what: str) -> None:
+    """y and rope.k_out against fp64; the rope columns on their own (a few % of y's norm)."""
+    m = x.shape[0]
+    ref = (x.double() @ w.double().t()).view(m, -1, HEAD)
+    ref[..., L:] = rope_gptj(ref[..., L:], rope.positions, rope.cos_sin_cache)
+    got = y.view(m, -1, HEAD)
+    for part, (a, b) in {"query": (got, ref), "q_pe": (got[..., L:], ref[..., L:]), "k": (rope.k_out, k_ref)}.items():
+        err = (a.double() - b).norm() / b.norm()
+        assert torch.isfinite(a).all() and err < MAX_RELERR, f"{what}: {part} relerr {err}"
+
+
+@pytest.mark.parametrize("n", SHAPES)
+def test_fused_rope_matches_fp64(cuda: torch.device, gen: torch.Generator, n: int) -> None:
+    triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
+    w = torch.randn(n, K, device=cuda, generator=gen).bfloat16()
+    configs = [c for c in FIXED_CONFIGS + table_configs(cuda, n) if triton_gemm.rope_fits(n, c)]
+    assert len(configs) >= 6
+    for cfg in configs:
+        for m in sorted(set(BENCH_MS + ODD_MS)):
+            x = torch.randn(m, K, device=cuda, generator=gen).bfloat16()
+            rope, k_ref = rope_case(cuda, gen, m)
+            y = torch.full((m, n), float("nan"), device=cuda, dtype=torch.bfloat16)
+            triton_gemm.reserve_workspace(cuda, *triton_gemm.workspace_needs(m, n, cfg))
+            triton_gemm.launch_fold_gemm(x, w, y, cfg, rope)
+            check_query(y, x, w, rope, k_ref, f"N={n} M={m} {cfg}")
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+def test_fold_query_dispatch_every_m(cuda: torch.device, gen: torch.Generator, cache_dtype: torch.dtype) -> None:
+    """The RoPE epilogue where the table chose it, fold_gemm + the standalone RoPE kernel elsewhere."""
+    for n in SHAPES:
+        w = torch.randn(n, K, device=cuda, generator=gen).bfloat16()
+        warmup_fold_gemm(w, 512)
+        for m in sorted(set(BENCH_MS + ODD_MS + (512,))):
+            x = torch.randn(m, K + 576, device=cuda, generator=gen).bfloat16()[:, :K]
+            rope, k_ref = rope_case(cuda, gen, m, cache_dtype)
+            y = fold_query(x, w, rope)
+            check_query(y, x, w, rope, k_ref, f"N={n} M={m} cache {cache_dtype}")
+            # Both implementations agree to bf16 rounding (the epilogue rotates before rounding).
+            y2 = fold_gemm(x, w)
+            rope_query(y2, QueryRope(rope.positions, rope.cos_sin_cache, rope.k_pe, rope.k_pe.clone(), HEAD))
+            assert (y2.double() - y.double()).norm() / y.double().norm() < 4e-3
+
+
+@pytest.mark.parametrize("m", [1, 8, 28, 56, 160])
+def test_fold_query_launches_what_the_table_says(cuda: torch.device, gen: torch.Generator, m: int) -> None:
+    """No k_pe copy, no extra kernels: one kernel where the bucket chose the RoPE epilogue, the
+    GEMM (whichever backend) and the RoPE kernel elsewhere."""
+    table = load_table(gpu_key(cuda))
+    if table is None:
+        pytest.skip(f"no tuning table for {gpu_key(cuda)}")
+    n = SHAPES[1]
+    bucket = table.shapes[(n, K)].bucket_for(m)
+    fused = bucket.backend == "triton" and bucket.config.rope_epilogue
+    w = torch.randn(n, K, device=cuda, generator=gen).bfloat16()
+    x = torch.randn(m, K, device=cuda, generator=gen).bfloat16()
+    rope, _ = rope_case(cuda, gen, m)
+    fold_query(x, w, rope)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], acc_events=True) as prof:
+        fold_query(x, w, rope)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == (1 if fused else 2), kernels
+    assert ("fold_gemm" in kernels[0]) == (bucket.backend == "triton"), kernels
+    if not fused:
+        assert "rope_query" in kernels[1], kernels
+
+
+def test_fold_query_graph_capture_and_replay(cuda: torch.device, gen: torch.Generator) -> None:
+    n = SHAPES[1]
+    w = torch.randn(n, K, device=cuda, generator=gen).bfloat16()
+    ms = (1, 13, 56, 160)
+    cases = [(torch.randn(m, K, device=cuda, generator=gen).bfloat16(), *rope_case(cuda, gen, m)) for m in ms]
+    warmup_fold_gemm(w, max(ms))
+    warmup_fold_query(w, max(ms), cases[0][1].cos_sin_cache, HEAD)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = [fold_query(x, w, rope) for x, rope, _ in cases]
+    for y, (_, rope, _) in zip(ys, cases, strict=True):
+        y.fill_(float("nan"))
+        rope.k_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for y, (x, rope, k_ref) in zip(ys, cases, strict=True):
+        check_query(y, x, w, rope, k_ref, f"replay M={x.shape[0]}")

@@ -31,6 +31,7 @@ def _doc(shapes: list[tuple[int, int]]) -> dict:
     """A minimal valid table document with one bucket per shape."""
     bucket = {"m_max": 16, "backend": "triton", "block_m": 16, "block_n": 64, "block_k": 128, "split_k": 4}
     bucket |= {"num_warps": 4, "num_stages": 4, "use_tma": False, "rows_per_program": 0, "pdl": True}
+    bucket |= {"rope_epilogue": True}
     return {
         "meta": {"gpu": "nvidia_test"},
         "shape": [{"n": n, "k": 1536, "fold_max_tokens": t, "bucket": [dict(bucket)]} for n, t in shapes],

@@ -1,4 +1,6 @@
-"""``fold_gemm``: pick the fastest measured implementation of ``y = x · Wᵀ`` for the decode fold.
+"""``fold_gemm``: pick the fastest measured implementation of ``y = x · Wᵀ`` for the decode fold;
+``fold_query``: that GEMM and the decode step's query/key RoPE (in its epilogue where measured
+faster, else one more launch; no copies).
 
 Order: aiter's ``gemm_a16w16`` on ROCm when aiter imports (its skinny kernels are tuned by AMD);
 the project's Triton kernel on CUDA where this GPU's tuning table measured it faster than cuBLAS
@@ -19,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from foldckpt.runtime.kernels.device import gpu_key
+from foldckpt.runtime.kernels.rope import QueryRope, rope_query_torch
 from foldckpt.runtime.kernels.tuning import TRITON_MAX_M, KernelConfig, kernel_config_for, load_table
 
-__all__ = ["fold_gemm", "warmup_fold_gemm"]
+__all__ = ["fold_gemm", "fold_query", "rope_query", "warmup_fold_gemm", "warmup_fold_query"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,16 @@ def _triton_module():  # noqa: ANN202 - the module type is only known once trito
         logger.info("foldckpt: Triton unavailable (%s); the fold GEMM uses torch", exc)
         return None
     return triton_gemm
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_rope_module():  # noqa: ANN202 - as _triton_module
+    """The Triton RoPE kernel module, or None when Triton is missing."""
+    try:
+        from foldckpt.runtime.kernels import triton_rope
+    except ImportError:
+        return None
+    return triton_rope
 
 
 def _rows_aligned(t: torch.Tensor) -> bool:
@@ -82,7 +95,7 @@ def _check_shapes(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
 
 
 def _run_triton(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, cfg: KernelConfig
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, cfg: KernelConfig, rope: QueryRope | None = None
 ) -> torch.Tensor | None:
     """Launch the kernel; None when it cannot run here (missing Triton, unreserved workspace)."""
     module = _triton_module()
@@ -103,7 +116,7 @@ def _run_triton(
     if target is None:
         target = torch.empty((m, n), dtype=x.dtype, device=x.device)
     with torch.cuda.device(x.device):
-        module.launch_fold_gemm(x, weight, target, cfg)
+        module.launch_fold_gemm(x, weight, target, cfg, rope)
     if out is not None and target is not out:
         out.copy_(target)
         return out
@@ -129,6 +142,41 @@ def fold_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = 
             if y is not None:
                 return y
     return _torch_gemm(x, weight, out)
+
+
+def rope_query(y: torch.Tensor, rope: QueryRope) -> None:
+    """RoPE of a folded decode query ``y [M, n]`` in place (the last R columns of every head) and of
+    ``rope.k_pe`` into ``rope.k_out``: one Triton launch on a GPU, torch on the CPU."""
+    rope.check(*y.shape)
+    if y.is_cuda and y.shape[0] > 0 and y.stride(1) == 1:
+        module = _triton_rope_module()
+        if module is not None:
+            with torch.cuda.device(y.device):
+                module.launch_rope_query(y, rope)
+            return
+    rope_query_torch(y, rope)
+
+
+def fold_query(x: torch.Tensor, weight: torch.Tensor, rope: QueryRope) -> torch.Tensor:
+    """The decode MQA query ``x · weightᵀ`` [M, N] with RoPE on the last R columns of every head,
+    and the rotated key in ``rope.k_out`` (never a rotated copy of ``k_pe``).
+
+    One launch where the tuned Triton kernel serves this batch and its table entry measured the
+    RoPE epilogue faster (``rope_epilogue``); otherwise ``fold_gemm`` and then ``rope_query``.
+    vLLM's decode query takes three (q_b_proj, RoPE, W_UK bmm).
+    """
+    _check_shapes(x, weight, None)
+    rope.check(x.shape[0], weight.shape[0])
+    if x.device.type == "cuda" and x.shape[0] > 0 and _aiter_gemm() is None:
+        cfg = _triton_config(x, weight)
+        module = _triton_module() if cfg is not None and cfg.rope_epilogue else None
+        if module is not None and module.rope_fits(weight.shape[0], cfg):
+            y = _run_triton(x, weight, None, cfg, rope)
+            if y is not None:
+                return y
+    y = fold_gemm(x, weight)
+    rope_query(y, rope)
+    return y
 
 
 def _warm_ms(weight: torch.Tensor, max_m: int) -> list[int]:
@@ -162,3 +210,19 @@ def warmup_fold_gemm(weight: torch.Tensor, max_m: int) -> None:
         fold_gemm(x, weight)
         # The torch path serves buckets the table gave to cuBLAS and any fallback: warm it too.
         _torch_gemm(x, weight, None)
+
+
+def warmup_fold_query(weight: torch.Tensor, max_m: int, cos_sin_cache: torch.Tensor, head_dim: int) -> None:
+    """Compile the kernels ``fold_query`` runs with this weight and cache up to ``max_m`` tokens
+    (the cache dtype is part of what they are compiled for): the GEMM with the RoPE epilogue per
+    bucket and the standalone RoPE kernel. Call after ``warmup_fold_gemm``. A no-op on CPU."""
+    if weight.device.type != "cuda" or max_m < 1:
+        return
+    r = cos_sin_cache.shape[-1]
+    for m in _warm_ms(weight, max_m):
+        x = torch.randn((m, weight.shape[1]), dtype=weight.dtype, device=weight.device)
+        k_pe = torch.zeros((m, r), dtype=weight.dtype, device=weight.device)
+        positions = torch.zeros(m, dtype=torch.long, device=weight.device)
+        rope = QueryRope(positions, cos_sin_cache, k_pe, k_pe, head_dim)
+        fold_query(x, weight, rope)
+        rope_query(fold_gemm(x, weight), rope)

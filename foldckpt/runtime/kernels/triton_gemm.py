@@ -21,6 +21,11 @@ shaped for streaming:
   previous one drains and waits for its writes on the device (``griddepcontrol.wait``) instead
   of behind the launch gap. It never triggers its own dependents early, so a kernel after it
   waits for it as usual.
+- optional RoPE epilogue (``fold_query``): the tiles holding a head's last R rows rotate their
+  (2i, 2i+1) row pairs by the tokens' cos/sin before the store, and the tile holding head 0's
+  first rope row also writes the rotated key. The H200 tuner keeps it for the M<=16 buckets
+  (8.1 vs 9.4 µs against GEMM + RoPE kernel at Kimi-K3 TP8) and drops it above, where the pair
+  shuffle of a 32/64-token accumulator costs more than the launch it saves.
 
 What the H200 search found (docs/bench/tune_nvidia_h200.*): split-K always loses, by about 2 µs at
 2 splits and up to 8 µs at 12, which is the latency of the store/atomic/reload reduction on a
@@ -48,25 +53,38 @@ try:
 except ImportError:  # a Triton built without the CUDA backend: no config there asks for PDL
     gdc_wait = None
 
+from foldckpt.runtime.kernels.rope import QueryRope
+from foldckpt.runtime.kernels.triton_rope import rope_key_rows, rope_query_tile
 from foldckpt.runtime.kernels.tuning import KernelConfig
 
-__all__ = ["launch_fold_gemm", "reserve_workspace", "workspace_ready", "workspace_needs"]
+__all__ = ["launch_fold_gemm", "reserve_workspace", "rope_fits", "workspace_ready", "workspace_needs"]
 
 
 # Nothing that varies per call is specialised: one compile per config serves every M, split
 # and x/out row stride, so warm-up covers all of them and graph capture never compiles.
-@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym", "rows_per_prog", "k_iters", "split_k"])
+@triton.jit(
+    do_not_specialize=[
+        "M", "stride_xm", "stride_ym", "rows_per_prog", "k_iters", "split_k", "stride_cs", "stride_kpe", "stride_kout"
+    ]
+)  # fmt: skip
 def _fold_gemm_kernel(
     x_ptr,
     w_src,
     y_ptr,
     ws_ptr,
     cnt_ptr,
+    pos_ptr,
+    cs_ptr,
+    kpe_ptr,
+    kout_ptr,
     M,
     N,
     stride_xm,
     stride_wn,
     stride_ym,
+    stride_cs,
+    stride_kpe,
+    stride_kout,
     rows_per_prog,
     k_iters,
     split_k,
@@ -76,6 +94,9 @@ def _fold_gemm_kernel(
     EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr,
     PDL: tl.constexpr,
+    ROPE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -99,6 +120,15 @@ def _fold_gemm_kernel(
         # Launched with programmatic dependent launch, this program may start while the previous
         # kernel drains; past this wait all its writes (x among them) are visible.
         gdc_wait()
+    if ROPE:
+        # Only tiles holding rope rows (1 in 9 at 64-row tiles) do any RoPE work. Their token
+        # positions are read now, so that after the loop only the cos/sin gather is in flight.
+        row0 = pid_n * rows_per_prog
+        has_rope = row0 % HEAD_DIM + rows_per_prog > HEAD_DIM - ROPE_DIM
+        pos = tl.load(pos_ptr + offs_m, mask=m_mask & has_rope, other=0).to(tl.int64)
+        # The key's RoPE rides along in the tile holding head 0's first rope row (split 0, one
+        # per token tile): its loads go out with that tile's cos/sin, with no launch of its own.
+        key_tile = (row0 <= HEAD_DIM - ROPE_DIM) & (HEAD_DIM - ROPE_DIM < row0 + rows_per_prog) & (pid_k == 0)
 
     # The host guarantees 16-byte aligned rows (stride a multiple of 8 elements): tell the
     # compiler so the x loads and y stores stay vectorised although the stride is not specialised.
@@ -124,7 +154,13 @@ def _fold_gemm_kernel(
     y_rows = tl.multiple_of(offs_m * stride_ym, 8)
     y_ptrs = y_ptr + y_rows[None, :] + offs_n[:, None]
     y_mask = m_mask[None, :] & n_mask[:, None]
+    if ROPE:
+        if key_tile:
+            rope_key_rows(offs_m, m_mask, pos, cs_ptr, stride_cs, kpe_ptr, stride_kpe, kout_ptr, stride_kout, ROPE_DIM)
     if split_k == 1:
+        if ROPE:
+            if has_rope:
+                acc = rope_query_tile(acc, row0, m_mask, pos, cs_ptr, stride_cs, BLOCK_N, BLOCK_M, HEAD_DIM, ROPE_DIM)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
         tile = pid_m * tl.cdiv(N, rows_per_prog) + pid_n
@@ -145,6 +181,11 @@ def _fold_gemm_kernel(
                 total += tl.load(
                     part_base + s * tile_elems + part_offs, mask=m_mask[None, :], other=0.0, cache_modifier=".cg"
                 )
+            if ROPE:
+                if has_rope:
+                    total = rope_query_tile(
+                        total, row0, m_mask, pos, cs_ptr, stride_cs, BLOCK_N, BLOCK_M, HEAD_DIM, ROPE_DIM
+                    )
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)
 
@@ -202,13 +243,23 @@ def reserve_workspace(device: torch.device, partial_elems: int, counter_elems: i
     )
 
 
-def launch_fold_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: KernelConfig) -> None:
-    """Write ``x · weightᵀ`` into ``out`` with the Triton kernel (no host sync).
+def rope_fits(n: int, cfg: KernelConfig) -> bool:
+    """Whether ``cfg`` can apply RoPE in its epilogue for an ``n``-row weight: every program must
+    start on an even row so that it holds whole (2i, 2i+1) pairs."""
+    return cfg.rows(n) % 2 == 0
+
+
+def launch_fold_gemm(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: KernelConfig, rope: QueryRope | None = None
+) -> None:
+    """Write ``x · weightᵀ`` into ``out`` with the Triton kernel (no host sync); with ``rope``,
+    the query RoPE is applied before the store and the rotated key written to ``rope.k_out``.
 
     Preconditions (checked by the dispatcher, not here, to keep the hot path short): bf16/fp16
     ``x`` [M, K] and ``out`` [M, N] with unit column stride and 16-byte aligned rows, ``weight``
-    [N, K] contiguous, ``K % (split_k * block_k) == 0``, and the workspace reserved
-    (``reserve_workspace`` with ``workspace_needs``).
+    [N, K] contiguous, ``K % (split_k * block_k) == 0``, the workspace reserved
+    (``reserve_workspace`` with ``workspace_needs``), and with ``rope`` a checked ``QueryRope``
+    and ``rope_fits(N, cfg)``.
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -223,17 +274,26 @@ def launch_fold_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, c
         w_src = weight
     rows = cfg.rows(n)
     grid = (triton.cdiv(n, rows) * cfg.split_k, triton.cdiv(m, cfg.block_m))
+    # Without RoPE its pointers are never read; x stands in so that the argument types are real.
+    pos, cache, k_pe, k_out = (rope.positions, rope.cos_sin_cache, rope.k_pe, rope.k_out) if rope else (x,) * 4
     _fold_gemm_kernel[grid](
         x,
         w_src,
         out,
         ws.partials,
         ws.counters,
+        pos,
+        cache,
+        k_pe,
+        k_out,
         m,
         n,
         stride_xm,
         weight.stride(0),
         stride_ym,
+        cache.stride(0),
+        k_pe.stride(0),
+        k_out.stride(0),
         rows,
         k // (cfg.split_k * cfg.block_k),
         cfg.split_k,
@@ -243,6 +303,9 @@ def launch_fold_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, c
         EVEN_N=rows == cfg.block_n and n % rows == 0,
         USE_TMA=cfg.use_tma,
         PDL=cfg.pdl,
+        ROPE=rope is not None,
+        HEAD_DIM=rope.head_dim if rope else 0,
+        ROPE_DIM=rope.rope_dim if rope else 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         launch_pdl=cfg.pdl,

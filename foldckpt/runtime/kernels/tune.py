@@ -5,7 +5,8 @@
 1. Search: for every fold shape (N, K) and token bucket, time every Triton config of a pruned
    grid (tile sizes, split-K, pipeline depth, warps, TMA) at the bucket's largest M with CUDA
    graphs over 16 weight copies (nothing L2-resident), after checking each result; then the
-   winner with and without programmatic dependent launch (sm_90+).
+   winner with and without programmatic dependent launch (sm_90+), and with the decode RoPE
+   in its epilogue or in the standalone RoPE kernel after it.
 2. Grid: at M from 1 to 1024, time the unfolded path (q_b_proj GEMM + W_UK bmm), the fold with
    torch and the fold with the bucket's best Triton config; per bucket keep the faster fold
    backend, and take as ``fold_max_tokens`` the largest M up to which the fold never lost.
@@ -25,13 +26,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from foldckpt.runtime.kernels.device import gpu_key
-from foldckpt.runtime.kernels.reference import MlaDims, unfolded_query
+from foldckpt.runtime.kernels.reference import MlaDims, decode_rope, unfolded_query
 from foldckpt.runtime.kernels.timing import (
     measure_copy_bandwidth,
     relative_error,
@@ -230,8 +232,35 @@ def search(
         cfg, us = best[m_max]
         if pdl_supported():
             cfg, us = best[m_max] = choose_pdl(bench, cfg, m_max, log)
+        cfg = choose_rope_epilogue(bench, cfg, m_max, log)
+        best[m_max] = (cfg, us)
         print(f"  N={bench.n} M<={m_max}: best {us:.2f} us of {timed}/{len(candidates)} timed: {cfg}", flush=True)
     return best
+
+
+def choose_rope_epilogue(bench: ShapeBench, cfg: KernelConfig, m: int, log: list[dict]) -> KernelConfig:
+    """``cfg`` with ``rope_epilogue`` set where doing the decode RoPE inside the GEMM beats the GEMM
+    followed by the standalone RoPE kernel, timed interleaved as ``fold_query`` runs them."""
+    from foldckpt.runtime.kernels import triton_gemm, triton_rope
+
+    if not triton_gemm.rope_fits(bench.n, cfg):
+        return cfg
+    x, rope = bench.x(m), decode_rope(m, bench.dims, torch.device("cuda"))
+    y = torch.empty((m, bench.n), device="cuda", dtype=torch.bfloat16)
+    triton_gemm.reserve_workspace(x.device, *triton_gemm.workspace_needs(m, bench.n, cfg))
+
+    def fused(i: int) -> None:
+        triton_gemm.launch_fold_gemm(x, bench.folds[i], y, cfg, rope)
+
+    def split(i: int) -> None:
+        triton_gemm.launch_fold_gemm(x, bench.folds[i], y, cfg)
+        triton_rope.launch_rope_query(y, rope)
+
+    choices = {"fused": fused, "split": split}
+    times = time_graphs_us({name: [partial(fn, i) for i in bench._layers()] for name, fn in choices.items()})
+    for name, us in times.items():
+        log.append({"n": bench.n, "m": m, **asdict(cfg), "rope": name, "us": us})
+    return replace(cfg, rope_epilogue=times["fused"] < times["split"])
 
 
 def pdl_supported() -> bool:

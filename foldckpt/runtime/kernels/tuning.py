@@ -22,6 +22,7 @@ measurements, never by hand-picked numbers. Layout::
     use_tma = false
     rows_per_program = 0        rows of W per program (<= block_n; 0 = block_n)
     pdl = true                  launch with programmatic dependent launch (sm_90+)
+    rope_epilogue = true        fold_query does the decode RoPE inside this kernel
     triton_us = 7.417           the measurements behind the choice (informative)
     torch_us = 8.131
 """
@@ -69,9 +70,10 @@ UNKNOWN_GPU_FOLD_MAX_TOKENS = 64
 TRITON_MAX_M = 256
 
 _KERNEL_KEYS = (
-    "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "use_tma", "rows_per_program", "pdl"
+    "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "use_tma", "rows_per_program", "pdl",
+    "rope_epilogue",
 )  # fmt: skip
-_BOOL_KEYS = ("use_tma", "pdl")
+_BOOL_KEYS = ("use_tma", "pdl", "rope_epilogue")
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,9 @@ class KernelConfig:
     # Programmatic dependent launch (sm_90+): the kernel starts while the previous one drains,
     # queues an L2 prefetch of its W rows, and only then waits for the previous kernel's writes.
     pdl: bool = False
+    # ``fold_query`` applies the decode RoPE in this kernel's epilogue instead of launching the
+    # standalone RoPE kernel after it: the tuner times both per bucket.
+    rope_epilogue: bool = False
 
     def rows(self, n: int) -> int:
         """Rows of W per program for an ``n``-row weight."""
