@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,8 +83,16 @@ def _output_parameters(plan: ConversionPlan, options: ConvertOptions) -> dict[st
     }
 
 
-def _clear_previous_run(out_dir: Path) -> None:
-    for path in [out_dir / MANIFEST_NAME, out_dir / JOURNAL_NAME, *out_dir.glob(f"{SIDECAR_PREFIX}*.safetensors")]:
+def _clear_previous_run(out_dir: Path, placed: Iterable[str]) -> None:
+    """Remove what an earlier run wrote: manifest, journal, sidecars and the source files it placed
+    (``placed``: links or copies inside OUT_DIR, never the originals), so that a restart onto
+    another model leaves nothing of the old one behind. Names that would leave OUT_DIR are not
+    touched."""
+    root = out_dir.resolve()
+    sources = [out_dir / name for name in placed if (out_dir / name).resolve().is_relative_to(root)]
+    for path in [
+        out_dir / MANIFEST_NAME, out_dir / JOURNAL_NAME, *out_dir.glob(f"{SIDECAR_PREFIX}*.safetensors"), *sources
+    ]:  # fmt: skip
         path.unlink(missing_ok=True)
     remove_stale_tmp_files(out_dir)
 
@@ -107,7 +116,8 @@ def _prepare_out_dir(model_dir: Path, out_dir: Path, key: str, options: ConvertO
     journal_path = out_dir / JOURNAL_NAME
     discard = options.restart or options.overwrite
     if (out_dir / MANIFEST_NAME).exists():
-        previous = read_manifest(out_dir).parameters.get("run_key")
+        manifest = read_manifest(out_dir)
+        previous = manifest.parameters.get("run_key")
         if previous == key and not discard:
             journal_path.unlink(missing_ok=True)
             return None
@@ -116,7 +126,7 @@ def _prepare_out_dir(model_dir: Path, out_dir: Path, key: str, options: ConvertO
                 f"{out_dir}: holds a finished conversion of other inputs or parameters; "
                 "pass --restart to replace it"
             )
-        _clear_previous_run(out_dir)
+        _clear_previous_run(out_dir, manifest.source_files)
     elif journal_path.exists():
         journal = Journal.load(journal_path)
         if journal.run_key == key and not discard:
@@ -126,7 +136,7 @@ def _prepare_out_dir(model_dir: Path, out_dir: Path, key: str, options: ConvertO
                 f"{out_dir}: holds an unfinished conversion of other inputs or parameters; "
                 "refusing to mix results: pass --restart to start over"
             )
-        _clear_previous_run(out_dir)
+        _clear_previous_run(out_dir, journal.placed)
     elif not options.overwrite and _holds_foreign_files(out_dir):
         raise FoldckptError(
             f"{out_dir}: not empty and not a foldckpt output; choose an empty directory or pass --overwrite"

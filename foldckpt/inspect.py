@@ -9,7 +9,6 @@ from typing import Any
 from foldckpt.checkpoint import open_source_checkpoint
 from foldckpt.geometry import Geometry, read_geometry
 from foldckpt.manifest import MANIFEST_NAME, read_manifest
-from foldckpt.safetensors_format import tensor_nbytes
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ def inspect_dir(directory: Path) -> Inspection:
     if not (directory / MANIFEST_NAME).exists():
         return Inspection(directory, geometry, model_bytes, None, None, 0, {})
     manifest = read_manifest(directory)
-    fold_bytes = sum(tensor_nbytes(t.dtype, t.shape) for t in manifest.tensors.values())
+    fold_bytes = manifest.fold_bytes()
     return Inspection(
         directory=directory,
         geometry=geometry,

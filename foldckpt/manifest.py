@@ -15,6 +15,7 @@ from foldckpt import __version__
 from foldckpt.errors import FoldckptError
 from foldckpt.files import atomic_write_json, read_json_file
 from foldckpt.geometry import Geometry
+from foldckpt.safetensors_format import tensor_nbytes
 
 MANIFEST_NAME = "foldckpt.json"
 FORMAT_NAME = "foldckpt"
@@ -108,6 +109,11 @@ class Manifest:
         return {**self.source_files, **self.sidecars}
 
     def fold_bytes(self) -> int:
+        """Bytes of fold tensor data (what GPUs hold), as ``Plan.fold_bytes`` counts them."""
+        return sum(tensor_nbytes(t.dtype, t.shape) for t in self.tensors.values())
+
+    def sidecar_bytes(self) -> int:
+        """Bytes of the sidecar files on disk (tensor data plus safetensors headers)."""
         return sum(record.size for record in self.sidecars.values())
 
     def to_dict(self) -> dict[str, Any]:

@@ -142,6 +142,16 @@ def test_cli_convert_verify_inspect(make_model: Callable[..., Path], tmp_path: P
     assert run.returncode == 0 and "verified" in run.stdout, run.stdout + run.stderr
     run = run_foldckpt("inspect", out_dir)
     assert run.returncode == 0 and "fold       2/2 layers, bfloat16" in run.stdout
+    # dry run (the plan), inspect and the manifest count the same fold bytes; the sidecar files
+    # add only their headers
+    plan = json.loads(run_foldckpt("convert", model_dir, tmp_path / "again", "--dry-run", "--json").stdout)
+    inspected = json.loads(run_foldckpt("inspect", out_dir, "--json").stdout)
+    manifest = read_manifest(out_dir)
+    layer_bytes = manifest.geometry.fold_shape[0] * manifest.geometry.fold_shape[1] * 2  # bf16
+    assert plan["fold_bytes"] == inspected["fold_bytes"] == manifest.fold_bytes() == 2 * layer_bytes
+    sidecar_sizes = sum((out_dir / name).stat().st_size for name in manifest.sidecars)
+    assert manifest.sidecar_bytes() == sidecar_sizes
+    assert 0 < sidecar_sizes - manifest.fold_bytes() < 4096 * len(manifest.sidecars)
 
 
 def test_cli_bad_tp_is_a_one_line_error(make_model: Callable[..., Path], tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from foldckpt.convert import ConvertOptions, convert
 from foldckpt.errors import FoldckptError
 from foldckpt.files import TMP_SUFFIX
 from foldckpt.journal import JOURNAL_NAME
-from foldckpt.manifest import MANIFEST_NAME
+from foldckpt.manifest import MANIFEST_NAME, read_manifest
 from foldckpt.plan import SIDECAR_PREFIX
 from foldckpt.synthetic import make_checkpoint
 from foldckpt.verify import VerifyOptions, verify
@@ -342,6 +342,22 @@ def test_finished_out_dir_is_up_to_date_and_refuses_other_parameters(
     line = one_error_line(run_foldckpt("convert", model, out, "--fold-dtype", "float32", "-q"))
     assert str(out) in line and "finished conversion of other inputs or parameters" in line and "--restart" in line
     assert_identical(out, reference[0])
+
+
+def test_restart_onto_another_model_leaves_nothing_of_the_old_one(tmp_path: Path) -> None:
+    """Files the first run placed but the second does not are removed, from OUT_DIR only."""
+    first = make_checkpoint(tmp_path / "k3", "kimi_k3", shards=4)
+    second = make_checkpoint(tmp_path / "v3", "deepseek_v3", layers=LAYERS)
+    first_files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    out = tmp_path / "out"
+    convert(first, out, ConvertOptions(progress=False))
+    convert(second, out, ConvertOptions(restart=True, progress=False))
+    manifest = read_manifest(out)
+    expected = {*manifest.source_files, *manifest.sidecars, MANIFEST_NAME}
+    assert {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} == expected
+    assert set(map(str, first_files)) - expected, "the two models should differ in file names"
+    assert sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file()) == first_files
+    assert verify(out, VerifyOptions(progress=False)).ok
 
 
 @pytest.mark.parametrize("where", ["same", "inside", "inside-nested", "parent"])
