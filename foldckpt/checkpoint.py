@@ -56,6 +56,13 @@ def allowed_roots(model_dir: Path) -> tuple[Path, ...]:
     return tuple(roots)
 
 
+def stays_inside(name: str) -> bool:
+    """Whether the relative file name ``name`` names something inside its directory, by its text
+    alone (not absolute, no ``..``, no backslash): what may be joined onto a directory we own."""
+    pure = PurePosixPath(name)
+    return not (pure.is_absolute() or ".." in pure.parts or "\\" in name)
+
+
 def resolve_inside(model_dir: Path, name: str, where: str, external_links: bool = False) -> Path:
     """``model_dir / name`` after checking that ``name`` cannot escape the model directory.
 
@@ -64,10 +71,9 @@ def resolve_inside(model_dir: Path, name: str, where: str, external_links: bool 
     """
     if not isinstance(name, str) or not name or "\x00" in name:
         raise FoldckptError(f"{where}: invalid file name {name!r}")
-    pure = PurePosixPath(name)
-    if pure.is_absolute() or ".." in pure.parts or "\\" in name:
+    if not stays_inside(name):
         raise FoldckptError(f"{where}: file name {name!r} escapes the model directory; refused")
-    path = model_dir / pure
+    path = model_dir / name
     if not path.exists():
         raise FoldckptError(f"{where}: refers to {name!r}, which does not exist in {model_dir}")
     real = path.resolve()

@@ -19,6 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from foldckpt.checkpoint import stays_inside
 from foldckpt.errors import FoldckptError
 from foldckpt.files import is_tmp_path, os_error, place_file, remove_stale_tmp_files, sha256_file, tmp_path_for
 from foldckpt.layer import fold_from_source
@@ -86,10 +87,9 @@ def _output_parameters(plan: ConversionPlan, options: ConvertOptions) -> dict[st
 def _clear_previous_run(out_dir: Path, placed: Iterable[str]) -> None:
     """Remove what an earlier run wrote: manifest, journal, sidecars and the source files it placed
     (``placed``: links or copies inside OUT_DIR, never the originals), so that a restart onto
-    another model leaves nothing of the old one behind. Names that would leave OUT_DIR are not
-    touched."""
-    root = out_dir.resolve()
-    sources = [out_dir / name for name in placed if (out_dir / name).resolve().is_relative_to(root)]
+    another model leaves nothing of the old one behind. Names whose text leaves OUT_DIR are not
+    touched; a placed symlink is removed itself, whatever it points to."""
+    sources = [out_dir / name for name in placed if stays_inside(name)]
     for path in [
         out_dir / MANIFEST_NAME, out_dir / JOURNAL_NAME, *out_dir.glob(f"{SIDECAR_PREFIX}*.safetensors"), *sources
     ]:  # fmt: skip

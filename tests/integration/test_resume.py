@@ -344,17 +344,19 @@ def test_finished_out_dir_is_up_to_date_and_refuses_other_parameters(
     assert_identical(out, reference[0])
 
 
-def test_restart_onto_another_model_leaves_nothing_of_the_old_one(tmp_path: Path) -> None:
-    """Files the first run placed but the second does not are removed, from OUT_DIR only."""
+@pytest.mark.parametrize("link", ["hard", "symlink"])
+def test_restart_onto_another_model_leaves_nothing_of_the_old_one(link: str, tmp_path: Path) -> None:
+    """Files the first run placed but the second does not are removed, from OUT_DIR only (a
+    placed symlink itself, not what it points to)."""
     first = make_checkpoint(tmp_path / "k3", "kimi_k3", shards=4)
     second = make_checkpoint(tmp_path / "v3", "deepseek_v3", layers=LAYERS)
     first_files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
     out = tmp_path / "out"
-    convert(first, out, ConvertOptions(progress=False))
-    convert(second, out, ConvertOptions(restart=True, progress=False))
+    convert(first, out, ConvertOptions(link=link, progress=False))
+    convert(second, out, ConvertOptions(link=link, restart=True, progress=False))
     manifest = read_manifest(out)
     expected = {*manifest.source_files, *manifest.sidecars, MANIFEST_NAME}
-    assert {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} == expected
+    assert {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() or p.is_symlink()} == expected
     assert set(map(str, first_files)) - expected, "the two models should differ in file names"
     assert sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file()) == first_files
     assert verify(out, VerifyOptions(progress=False)).ok
