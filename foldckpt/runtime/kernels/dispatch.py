@@ -215,14 +215,21 @@ def warmup_fold_gemm(weight: torch.Tensor, max_m: int) -> None:
 def warmup_fold_query(weight: torch.Tensor, max_m: int, cos_sin_cache: torch.Tensor, head_dim: int) -> None:
     """Compile the kernels ``fold_query`` runs with this weight and cache up to ``max_m`` tokens
     (the cache dtype is part of what they are compiled for): the GEMM with the RoPE epilogue per
-    bucket and the standalone RoPE kernel. Call after ``warmup_fold_gemm``. A no-op on CPU."""
+    bucket that chose it, and the standalone RoPE kernel (one compile serves every M). Call after
+    ``warmup_fold_gemm``. A no-op on CPU."""
     if weight.device.type != "cuda" or max_m < 1:
         return
     r = cos_sin_cache.shape[-1]
-    for m in _warm_ms(weight, max_m):
+
+    def inputs(m: int) -> tuple[torch.Tensor, QueryRope]:
         x = torch.randn((m, weight.shape[1]), dtype=weight.dtype, device=weight.device)
         k_pe = torch.zeros((m, r), dtype=weight.dtype, device=weight.device)
         positions = torch.zeros(m, dtype=torch.long, device=weight.device)
-        rope = QueryRope(positions, cos_sin_cache, k_pe, k_pe, head_dim)
+        return x, QueryRope(positions, cos_sin_cache, k_pe, k_pe, head_dim)
+
+    for m in _warm_ms(weight, max_m):
+        x, rope = inputs(m)
         fold_query(x, weight, rope)
-        rope_query(fold_gemm(x, weight), rope)
+    # Buckets with the RoPE epilogue never launch the standalone kernel; one compile serves any M.
+    x, rope = inputs(1)
+    rope_query(fold_gemm(x, weight), rope)

@@ -28,6 +28,14 @@ def rotate_pairs(src, dst, cos, sin, mask):
 
 
 @triton.jit
+def load_cos_sin(cs_ptr, offs, mask, ROPE_DIM: tl.constexpr):
+    """(cos, sin) in fp32 at ``offs`` into the cache rows (``pos * stride + i``); (1, 0) where masked."""
+    cos = tl.load(cs_ptr + offs, mask=mask, other=1.0).to(tl.float32)
+    sin = tl.load(cs_ptr + offs + ROPE_DIM // 2, mask=mask, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def rope_key_rows(
     offs_m, m_mask, pos, cs_ptr, stride_cs, kpe_ptr, stride_kpe, kout_ptr, stride_kout, ROPE_DIM: tl.constexpr
 ):
@@ -35,9 +43,7 @@ def rope_key_rows(
     half = tl.arange(0, ROPE_DIM // 2)
     rows = offs_m.to(tl.int64)
     mask = m_mask[:, None]
-    cs = cs_ptr + pos[:, None] * stride_cs + half[None, :]
-    cos = tl.load(cs, mask=mask, other=1.0).to(tl.float32)
-    sin = tl.load(cs + ROPE_DIM // 2, mask=mask, other=0.0).to(tl.float32)
+    cos, sin = load_cos_sin(cs_ptr, pos[:, None] * stride_cs + half[None, :], mask, ROPE_DIM)
     src = kpe_ptr + rows[:, None] * stride_kpe + 2 * half[None, :]
     dst = kout_ptr + rows[:, None] * stride_kout + 2 * half[None, :]
     rotate_pairs(src, dst, cos, sin, mask)
@@ -65,9 +71,7 @@ def rope_query_tile(
     is_rope = col >= 0
     freq = tl.where(is_rope, col // 2, 0)
     mask = is_rope[:, None] & m_mask[None, :]
-    cs = cs_ptr + pos[None, :] * stride_cs + freq[:, None]
-    cos = tl.load(cs, mask=mask, other=1.0).to(tl.float32)
-    sin = tl.load(cs + ROPE_DIM // 2, mask=mask, other=0.0).to(tl.float32)
+    cos, sin = load_cos_sin(cs_ptr, pos[None, :] * stride_cs + freq[:, None], mask, ROPE_DIM)
     turned = tl.join(even * cos - odd * sin, odd * cos + even * sin)
     return tl.reshape(tl.permute(turned, (0, 2, 1)), (BLOCK_N, BLOCK_M))
 
@@ -92,8 +96,7 @@ def _rope_query_kernel(
     m = tl.program_id(0)
     half = tl.arange(0, ROPE_DIM // 2)
     pos = tl.load(pos_ptr + m).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * stride_cs + half).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + ROPE_DIM // 2 + half).to(tl.float32)
+    cos, sin = load_cos_sin(cs_ptr, pos * stride_cs + half, half < ROPE_DIM // 2, ROPE_DIM)
     h = tl.arange(0, BLOCK_H)
     q = y_ptr + m.to(tl.int64) * stride_ym + h[:, None] * HEAD_DIM + (HEAD_DIM - ROPE_DIM) + 2 * half[None, :]
     rotate_pairs(q, q, cos[None, :], sin[None, :], h[:, None] < heads)

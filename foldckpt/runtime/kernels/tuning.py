@@ -90,8 +90,8 @@ class KernelConfig:
     # Rows of W each program owns (<= block_n); 0 means block_n. Fewer rows than the tile spread
     # a shape evenly over the SMs, so the tuner picks it per (N, bucket).
     rows_per_program: int = 0
-    # Programmatic dependent launch (sm_90+): the kernel starts while the previous one drains,
-    # queues an L2 prefetch of its W rows, and only then waits for the previous kernel's writes.
+    # Programmatic dependent launch (sm_90+): the kernel starts while the previous one drains and
+    # waits for that kernel's writes on the device before reading x.
     pdl: bool = False
     # ``fold_query`` applies the decode RoPE in this kernel's epilogue instead of launching the
     # standalone RoPE kernel after it: the tuner times both per bucket.
