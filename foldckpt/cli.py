@@ -20,6 +20,7 @@ from foldckpt import __version__
 from foldckpt.convert import DEFAULT_MAX_SHARD_SIZE, ConvertOptions, ConvertResult, convert
 from foldckpt.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFY_FAILED, FoldckptError
 from foldckpt.files import LINK_MODES
+from foldckpt.geometry import describe_layers
 from foldckpt.inspect import Inspection, inspect_dir
 from foldckpt.plan import FOLD_DTYPES, ConversionPlan, plan_conversion
 from foldckpt.verify import VerifyOptions, VerifyReport, verify
@@ -78,7 +79,7 @@ def cli() -> None:
 
 def _print_plan(plan: ConversionPlan) -> None:
     g = plan.geometry
-    layers = ", ".join(f"{layer.layer.index}{' (mtp)' if layer.layer.is_mtp else ''}" for layer in plan.layers)
+    layers = describe_layers(layer.layer for layer in plan.layers)
     click.echo(f"model      {plan.source.model_dir} ({g.architecture}, family {g.family})")
     click.echo(
         f"geometry   H={g.num_heads} Lq={g.q_lora_rank} L={g.kv_lora_rank} P={g.qk_nope_head_dim} "
@@ -196,7 +197,7 @@ def _print_inspection(info: Inspection) -> None:
         f"geometry   H={g.num_heads} Lq={g.q_lora_rank} L={g.kv_lora_rank} P={g.qk_nope_head_dim} "
         f"R={g.qk_rope_head_dim} V={g.v_head_dim} rope={'yes' if g.uses_rope else 'no (NoPE)'}"
     )
-    layers = ", ".join(f"{layer.index}{' (mtp)' if layer.is_mtp else ''}" for layer in g.layers)
+    layers = describe_layers(g.layers)
     click.echo(f"MLA layers {len(g.layers)}: {layers}")
     click.echo(f"weights    {human_bytes(info.model_bytes)}")
     if info.folded_layers is None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from foldckpt.errors import FoldckptError
@@ -48,6 +49,11 @@ class MLALayer:
     @property
     def q_fold(self) -> str:
         return f"{self.prefix}.self_attn.q_fold.weight"
+
+
+def describe_layers(layers: Iterable[MLALayer]) -> str:
+    """Config layer indices as users read them in logs and summaries: ``3, 7, 93 (mtp)``."""
+    return ", ".join(f"{layer.index}{' (mtp)' if layer.is_mtp else ''}" for layer in layers)
 
 
 @dataclass(frozen=True)

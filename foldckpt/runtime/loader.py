@@ -37,8 +37,10 @@ from foldckpt.safetensors_format import (
 _REMEDY = "re-run `foldckpt convert`, or set FOLDCKPT_DISABLE=1 to serve without the fold"
 
 # vLLM module prefixes that differ from checkpoint tensor prefixes: the MTP loaders remap
-# ``model.layers.61.self_attn`` to ``model.layers.61.mtp_block.self_attn``.
+# ``model.layers.61.self_attn`` to ``model.layers.61.mtp_block.self_attn``, and Kimi-K3's MTP
+# model is built without the ``language_model.`` its checkpoint tensors carry.
 _MODULE_ALIASES = (".mtp_block.",)
+_OUTER_PREFIXES = ("", "language_model.")
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,9 @@ class FoldSet:
         name = attn_prefix
         for alias in _MODULE_ALIASES:
             name = name.replace(alias, ".")
+        candidates = {outer + name for outer in _OUTER_PREFIXES}
         for layer in self.geometry.layers:
-            if f"{layer.prefix}.self_attn" == name:
+            if f"{layer.prefix}.self_attn" in candidates:
                 return layer
         raise FoldckptError(
             f"{self.model_dir / MANIFEST_NAME}: vLLM built the MLA layer '{attn_prefix}' but the "

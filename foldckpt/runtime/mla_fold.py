@@ -8,7 +8,7 @@ attention metadata, which compiled code cannot branch on. So :class:`FoldedMLAWr
 ``q_c`` itself into an opaque custom op of its own, ``foldckpt::mla_attention`` (eager inside the
 compiled graph, a splitting op for piecewise CUDA graphs), and that op routes per batch:
 
-- decode rows, when the batch has at most ``fold_max_tokens`` of them:
+- decode rows, when the batch has at most the routing threshold of them:
   ``y = q_fold(q_c).view(m, n, L+R)`` with RoPE on ``y[..., L:]`` and on those rows' ``k_pe``
   (one launch where the tuned GPU kernel serves the batch: ``kernels.fold_query``), ``y`` is
   the MQA query;
@@ -16,7 +16,8 @@ compiled graph, a splitting op for piecewise CUDA graphs), and that op routes pe
 - a decode batch above the threshold, or a profiling run: exactly vLLM's unfolded path.
 
 The wrapper replaces the stock class through ``PluggableLayer.register_oot`` and behaves exactly
-like it unless the served directory carries a ``foldckpt.json``.
+like it unless the served directory carries a ``foldckpt.json``. The op's side lives in
+:class:`FoldedMLAMixin`, which Kimi-K3's ROCm wrapper (a subclass of the generic one) reuses.
 """
 
 # No ``from __future__ import annotations``: torch infers the custom op schema from real annotations.
@@ -42,105 +43,86 @@ from vllm.utils.torch_utils import (
 )
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
-from foldckpt.errors import FoldckptError
-from foldckpt.runtime import stats
 from foldckpt.runtime.kernels import QueryRope, fold_gemm, fold_query, rope_query, warmup_fold_query
-from foldckpt.runtime.loader import FoldSet, cached_fold_set, is_converted
-from foldckpt.runtime.weights import FoldBuild, SidecarFoldMethod
+from foldckpt.runtime.layer_fold import BuiltMLA, LayerFold, attach_fold
 
 OP_NAMESPACE = "foldckpt"
 OP_NAME = "mla_attention"
 SPLITTING_OP = f"{OP_NAMESPACE}::{OP_NAME}"
 
 # Attention layer name -> the folded wrapper that owns it (what the custom op dispatches on).
-_FOLDED: "weakref.WeakValueDictionary[str, FoldedMLAWrapper]" = weakref.WeakValueDictionary()
-_build: FoldBuild | None = None
+_FOLDED: "weakref.WeakValueDictionary[str, FoldedMLAMixin]" = weakref.WeakValueDictionary()
 # RoPE implementations that are a lookup in ``cos_sin_cache`` and nothing else (subclasses that
 # only build another cache inherit one of these): what ``kernels.fold_query`` reproduces.
 _CACHE_LOOKUP_ROPES = (RotaryEmbedding.forward_native, DeepseekScalingRotaryEmbedding.forward_native)
 
 
-def _current_build(fold_set: FoldSet) -> FoldBuild:
-    """The build of the model now being constructed (a new vLLM config starts a new one)."""
-    global _build
-    vllm_config = get_current_vllm_config()
-    if _build is None or _build.vllm_config is not vllm_config or _build.fold_set is not fold_set:
-        _build = FoldBuild(fold_set, vllm_config)
-    return _build
+class FoldedMLAMixin:
+    """The folded op's side of any ``MultiHeadLatentAttentionWrapper`` subclass: the fold, the
+    custom op call and the routing inside it (shared by the generic wrapper and Kimi-K3's ROCm
+    wrapper). Call :meth:`_init_fold` at the end of ``__init__``."""
 
+    # Provided by MultiHeadLatentAttentionWrapper (annotations only; the base class sets them).
+    prefix: str
+    mla_attn: Any
+    rotary_emb: Any
+    q_b_proj: Any
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    qk_head_dim: int
+    v_head_dim: int
 
-class FoldedMLAWrapper(MultiHeadLatentAttentionWrapper):
-    """``MultiHeadLatentAttentionWrapper`` plus a ``q_fold`` projection and the routed op."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.q_fold: ColumnParallelLinear | None = None
-        # Set once the fold is loaded; decode batches of at most this many tokens take it.
-        self.fold_max_tokens: int | None = None
-        model_dir = get_current_vllm_config().model_config.model
-        if not is_converted(model_dir):
+    def _init_fold(self, unsupported: dict[str, bool]) -> None:
+        attn = self.mla_attn
+        unsupported = {
+            **unsupported,
+            "decode context parallelism": getattr(attn.impl, "dcp_world_size", 1) > 1,
+            "prefill context parallelism": getattr(attn, "use_pcp", False),
+            "a decode backend that pads query heads (CUTLASS MLA)": attn.q_pad_num_heads is not None,
+        }
+        tp_size = get_tensor_model_parallel_world_size()
+        built = BuiltMLA(self.num_heads * tp_size, self.q_lora_rank, self.kv_lora_rank,
+                         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)  # fmt: skip
+        self.fold: LayerFold | None = attach_fold(self.prefix, built, self.num_heads, unsupported, self._fold_loaded)
+        self.q_fold: ColumnParallelLinear | None = None if self.fold is None else self.fold.q_fold
+        if self.fold is None:
             return
-        fold_set = cached_fold_set(str(model_dir))
-        layer = fold_set.layer_for_module(self.prefix)
-        self._check_supported(fold_set)
-        build = _current_build(fold_set)
-        build.built += 1
-        geometry = fold_set.geometry
-        self.q_fold = ColumnParallelLinear(
-            geometry.q_lora_rank,
-            geometry.num_heads * geometry.fold_head_dim,
-            bias=False,
-            quant_config=None,
-            prefix=f"{self.prefix}.q_fold",
-        )
-        self.q_fold.quant_method = SidecarFoldMethod(fold_set, layer, build, self._fold_loaded)
-        # Only the first MLA layer counts routed tokens: every layer sees the same batch.
-        self._counts_steps = layer == geometry.layers[0]
         self._op_layer_name = self.mla_attn.layer_name
         _FOLDED[self._op_layer_name] = self
         splitting_ops = get_current_vllm_config().compilation_config.splitting_ops
         if splitting_ops is not None and SPLITTING_OP not in splitting_ops:
             splitting_ops.append(SPLITTING_OP)
 
-    def _check_supported(self, fold_set: FoldSet) -> None:
-        """Refuse vLLM configurations the folded op does not implement, before any weight loads,
-        so a model is never folded in some layers only."""
-        attn = self.mla_attn
-        unsupported = {
-            "sparse MLA (DeepSeek-V3.2 indexer)": self.is_sparse or self.indexer is not None,
-            "DCP query replication": self.dcp_q_replicate,
-            "decode context parallelism": getattr(attn.impl, "dcp_world_size", 1) > 1,
-            "prefill context parallelism": getattr(attn, "use_pcp", False),
-            "fused q/kv RMSNorm": self.fuse_qkv_rmsnorm,
-            "a decode backend that pads query heads (CUTLASS MLA)": attn.q_pad_num_heads is not None,
-        }
-        reasons = [name for name, active in unsupported.items() if active]
-        if reasons:
-            raise FoldckptError(
-                f"{fold_set.model_dir}: the foldckpt plugin does not support {', '.join(reasons)} "
-                f"(layer '{self.prefix}'); set FOLDCKPT_DISABLE=1 to serve this checkpoint unfolded"
-            )
-        g = fold_set.geometry
-        heads = self.num_heads * get_tensor_model_parallel_world_size()
-        built = (heads, self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim,
-                 self.qk_rope_head_dim, self.v_head_dim)  # fmt: skip
-        expected = (g.num_heads, g.q_lora_rank, g.kv_lora_rank, g.qk_nope_head_dim,
-                    g.qk_rope_head_dim, g.v_head_dim)  # fmt: skip
-        if built != expected:
-            raise FoldckptError(
-                f"{fold_set.model_dir}: vLLM built layer '{self.prefix}' with (heads, q_lora, kv_lora, "
-                f"nope, rope, v) = {built}, the fold manifest describes {expected}"
-            )
+    def _call_op(
+        self,
+        q_c: torch.Tensor,
+        positions: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        num_tokens: int,
+        llama_4_scaling: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The attention output ``[T, n*V]`` through the routed op (``k_pe`` is ``[T, 1, R]``)."""
+        output = torch.empty((num_tokens, self.num_heads * self.v_head_dim), dtype=q_c.dtype, device=q_c.device)
+        torch.ops.foldckpt.mla_attention(
+            q_c, positions, kv_c_normed, k_pe, output, _encode_layer_name(self._op_layer_name), llama_4_scaling
+        )
+        return output
 
-    def _fold_loaded(self, max_tokens: int) -> bool:
-        """Take the routing threshold; answer whether fold_query does this layer's decode RoPE."""
-        self.fold_max_tokens = max_tokens
+    def _fold_loaded(self) -> str:
+        """The weight is in: warm the GPU kernels; say how decode RoPE is done (for the log)."""
         cache = self._rope_cache()
         # vLLM's CPU post-processing replaces ``weight`` with a packed form: nothing to warm there.
         weight = getattr(self.q_fold, "weight", None)
         if cache is not None and weight is not None and weight.is_cuda:
-            warmup_fold_query(weight, max_tokens, cache, self.kv_lora_rank + self.qk_rope_head_dim)
-        return cache is not None
+            assert self.fold is not None
+            warmup_fold_query(weight, self.fold.max_tokens, cache, self.kv_lora_rank + self.qk_rope_head_dim)
+        if self.rotary_emb is None:
+            return "NoPE: no RoPE"
+        return "q/k RoPE by fold_query" if cache is not None else "q/k RoPE by vLLM's rotary module"
 
     def _rope_cache(self) -> torch.Tensor | None:
         """vLLM's cos/sin cache when this layer's RoPE is what ``fold_query`` implements (a
@@ -151,42 +133,6 @@ class FoldedMLAWrapper(MultiHeadLatentAttentionWrapper):
         if rope.rotary_dim != self.qk_rope_head_dim or rope.head_size != self.qk_rope_head_dim:
             return None
         return rope.cos_sin_cache
-
-    # ----------------------------------------------------------------------------------------
-    # Traced part (inside torch.compile): everything up to the op, with no metadata in sight.
-    # ----------------------------------------------------------------------------------------
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        llama_4_scaling: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if self.q_fold is None:
-            return super().forward(positions, hidden_states, llama_4_scaling)
-        qkv_lora = self.fused_qkv_a_proj(hidden_states)[0]
-        q_c, kv_lora = qkv_lora.split(
-            [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
-        )
-        q_c = self.q_a_layernorm(q_c)
-        kv_c, k_pe = kv_lora.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv_c_normed = self.kv_a_layernorm(kv_c)
-        output = torch.empty(
-            (hidden_states.shape[0], self.num_heads * self.v_head_dim),
-            dtype=q_c.dtype,
-            device=q_c.device,
-        )
-        torch.ops.foldckpt.mla_attention(
-            q_c,
-            positions,
-            kv_c_normed,
-            k_pe.unsqueeze(1),
-            output,
-            _encode_layer_name(self._op_layer_name),
-            llama_4_scaling,
-        )
-        if self.g_proj is not None:
-            output = output * self.g_proj(hidden_states)[0].sigmoid()
-        return self.o_proj(output)[0]
 
     # ----------------------------------------------------------------------------------------
     # Eager part (inside the op): the routing.
@@ -202,21 +148,17 @@ class FoldedMLAWrapper(MultiHeadLatentAttentionWrapper):
     ) -> None:
         """One layer's attention for one batch (decode rows first, as vLLM orders them), routed
         as the module docstring says; writes ``output`` ``[T, n*V]``."""
-        if self.fold_max_tokens is None:
-            raise FoldckptError(
-                f"layer '{self.prefix}': q_fold was never filled from the sidecar (vLLM skipped its "
-                "weight post-processing); refusing to run with an uninitialised fold"
-            )
+        assert self.fold is not None
         attn_metadata, attn, kv_cache, slot_mapping = get_attention_context(self._op_layer_name)
         decode = 0 if attn_metadata is None else attn_metadata.num_decode_tokens
-        if not 0 < decode <= self.fold_max_tokens:
+        if not self.fold.takes(decode):
             # RoPE rotates k_pe in place on some platforms; the op must not mutate its inputs.
             k_pe = k_pe.clone()
             q = self._q_b_proj(q_c, positions, k_pe, llama_4_scaling)
             self._update_kv_cache(attn, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata)
             attn.forward_impl(q, kv_c_normed, k_pe, kv_cache, attn_metadata, output=output)
             if attn_metadata is not None:
-                self._count(q_c, 0, decode, attn_metadata.num_actual_tokens - decode)
+                self.fold.count(q_c, 0, decode, attn_metadata.num_actual_tokens - decode)
             return
 
         total = attn_metadata.num_actual_tokens
@@ -255,7 +197,7 @@ class FoldedMLAWrapper(MultiHeadLatentAttentionWrapper):
             )
         attn_out, _ = attn.impl.forward_mqa(query, kv_cache, attn_metadata, attn)
         attn._v_up_proj(attn_out, out=output[:decode])
-        self._count(q_c, decode, 0, total - decode)
+        self.fold.count(q_c, decode, 0, total - decode)
 
     def _q_fold(
         self,
@@ -340,19 +282,38 @@ class FoldedMLAWrapper(MultiHeadLatentAttentionWrapper):
             kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata, attn.kv_cache_dtype, attn._k_scale
         )
 
-    def _count(self, q_c: torch.Tensor, folded: int, unfolded: int, prefill: int) -> None:
-        """Count this step in the stats file (first MLA layer only: all layers see one batch).
 
-        A CUDA-graph capture is not a step: it is recorded as a capture, and its replays never
-        reach Python, so with full CUDA graphs decode steps show up as captures only.
-        """
-        recorder = stats.current() if self._counts_steps else None
-        if recorder is None:
-            return
-        if q_c.is_cuda and torch.cuda.is_current_stream_capturing():
-            recorder.record_capture(folded > 0)
-        else:
-            recorder.record_step(folded, unfolded, prefill)
+class FoldedMLAWrapper(FoldedMLAMixin, MultiHeadLatentAttentionWrapper):
+    """``MultiHeadLatentAttentionWrapper`` plus a ``q_fold`` projection and the routed op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_fold({
+            "sparse MLA (DeepSeek-V3.2 indexer)": self.is_sparse or self.indexer is not None,
+            "DCP query replication": self.dcp_q_replicate,
+            "fused q/kv RMSNorm": self.fuse_qkv_rmsnorm,
+        })  # fmt: skip
+
+    # Traced part (inside torch.compile): everything up to the op, with no metadata in sight.
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        llama_4_scaling: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.q_fold is None:
+            return super().forward(positions, hidden_states, llama_4_scaling)
+        qkv_lora = self.fused_qkv_a_proj(hidden_states)[0]
+        q_c, kv_lora = qkv_lora.split(
+            [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
+        )
+        q_c = self.q_a_layernorm(q_c)
+        kv_c, k_pe = kv_lora.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_c_normed = self.kv_a_layernorm(kv_c)
+        output = self._call_op(q_c, positions, kv_c_normed, k_pe.unsqueeze(1), hidden_states.shape[0], llama_4_scaling)
+        if self.g_proj is not None:
+            output = output * self.g_proj(hidden_states)[0].sigmoid()
+        return self.o_proj(output)[0]
 
 
 @eager_break_during_capture

