@@ -83,6 +83,10 @@ class SidecarFoldMethod(UnquantizedLinearMethod):
     layer's decode RoPE is done (for the log line).
     """
 
+    # vLLM's weight-cache loader hands over weights already post-processed (repacked on CPU);
+    # copying sidecar rows onto those would be wrong, so that loader refuses this layer by name.
+    supports_pre_processed_weights = False
+
     def __init__(
         self, fold_set: FoldSet, layer: MLALayer, build: FoldBuild, max_tokens: int, on_loaded: Callable[[], str]
     ) -> None:
