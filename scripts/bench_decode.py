@@ -5,11 +5,24 @@
     python scripts/bench_decode.py --plot-only docs/bench/decode_nvidia_h200.json   # anywhere
 
 For Kimi-K3 at TP4/8/16 and DeepSeek-V3 at TP8 and M from 1 to 8192 tokens it times, per layer:
-  unfolded       q_b_proj GEMM + W_UK batched GEMM, as vLLM decodes (cuBLAS)
-  folded_torch   one GEMM with W_fold through F.linear (cuBLAS)
-  folded_triton  the same GEMM through the tuned Triton kernel (M <= 256 only)
-  routed         what the plugin does: fold_gemm if M <= fold_route_max_tokens, else unfolded
-and the decode query path with RoPE (q_pe and k_pe), what a decode step really launches:
+  unfolded_cublas  q_b_proj GEMM (cuBLAS) + W_UK batched GEMM, as vLLM decodes
+  unfolded_triton  the same with q_b_proj through the project's tiled Triton kernel, tuned for
+                   the q_b_proj shape [n*(P+R), Lq] (the table's [[q_b_proj]]; M <= 256 only)
+  unfolded_skinny  the same with q_b_proj through the project's skinny (GEMV-style) Triton kernel,
+                   tuned per M tile for that shape (the table's [[skinny]]; M <= 16 only)
+  unfolded         the fastest of the three at that M (the record names the q_b_proj kernel that
+                   won): the fair baseline. vLLM 0.33's own H200 skinny kernels for q_b_proj at
+                   M <= 16 (CuTe DSL at M=1-2, dsv3_fused_a at M=3-8) need vLLM, which the
+                   benchmark machine does not have; the skinny kernel stands in for them.
+  folded_torch     one GEMM with W_fold through F.linear (cuBLAS)
+  folded_triton    the same GEMM through the tuned Triton kernel (M <= 256 only)
+  folded_skinny    the same GEMM through the skinny kernel (M <= 16; a measurement only: the
+                   dispatcher has no skinny path)
+  routed           what the plugin does: fold_gemm if M <= fold_route_max_tokens (timed), else
+                   the unfolded path (then the unfolded time itself)
+Kimi-K3 is NoPE (the rope slot of each head exists but is never rotated), so its rows time the
+projection alone, which is all a Kimi-K3 decode step launches for the query. DeepSeek-V3 keeps
+RoPE, and for it also the decode query path with RoPE (q_pe and k_pe):
   path_unfolded  vLLM: q_b_proj, one RoPE launch, W_UK bmm (vLLM's rotary CUDA op is not on the
                  benchmark machine; the project's one-launch Triton RoPE stands in for it)
   path_routed    the plugin: fold_query (the fold GEMM with RoPE in its epilogue where the table
@@ -18,9 +31,11 @@ and the decode query path with RoPE (q_pe and k_pe), what a decode step really l
 Each time is the median over replays of a CUDA graph of 32 back-to-back calls spread over 16
 layer copies of the weights (so no layer's weights are still in L2 when it runs again). The
 floor is the bytes of W_fold + x + y over the device-to-device copy bandwidth measured in the
-same run. Before each point the GPU works for 0.2 s so that no variant meets idle clocks. Every
-variant's output is checked against an fp64 reference of the unfolded math.
-Writes docs/bench/decode_<gpu>.json and decode_<gpu>.png.
+same run (unfolded_floor: q_b_proj + W_UK + x + q + ql_nope). Before each point the GPU works
+for 0.2 s so that no variant meets idle clocks. Every variant's output is checked against an
+fp64 reference of the unfolded math.
+Writes docs/bench/decode_<gpu>.json (schema_version 2: the columns are described in its meta)
+and decode_<gpu>.png.
 """
 
 from __future__ import annotations
@@ -57,6 +72,7 @@ from foldckpt.runtime.kernels.reference import (  # noqa: E402
     unfolded_query,
 )
 from foldckpt.runtime.kernels.rope import rope_gptj  # noqa: E402
+from foldckpt.runtime.kernels.tune import triton_unfolded_query  # noqa: E402
 from foldckpt.runtime.kernels.timing import (  # noqa: E402
     measure_copy_bandwidth,
     measure_kernel_overhead_us,
@@ -64,13 +80,50 @@ from foldckpt.runtime.kernels.timing import (  # noqa: E402
     settle_clocks,
     time_graphs_us,
 )
-from foldckpt.runtime.kernels.tuning import TRITON_MAX_M, KernelConfig, load_table  # noqa: E402
+from foldckpt.runtime.kernels.tuning import (  # noqa: E402
+    TRITON_MAX_M,
+    Bucket,
+    KernelConfig,
+    SkinnyConfig,
+    load_table,
+    q_b_proj_bucket,
+    skinny_config,
+)
 
-MODELS = (("Kimi-K3", 96, 4), ("Kimi-K3", 96, 8), ("Kimi-K3", 96, 16), ("DeepSeek-V3", 128, 8))
+# (model, heads in all, TP, RoPE): Kimi-K3 is NoPE, DeepSeek-V3 rotates its rope slot.
+MODELS = (
+    ("Kimi-K3", 96, 4, False),
+    ("Kimi-K3", 96, 8, False),
+    ("Kimi-K3", 96, 16, False),
+    ("DeepSeek-V3", 128, 8, True),
+)
 MS = (1, 2, 4, 8, 14, 28, 56, 112, 224, 512, 1024, 2048, 8192)
 LAYER_COPIES = 16
 CALLS_PER_GRAPH = 32
-VARIANTS = ("unfolded", "folded_torch", "folded_triton", "routed", "path_unfolded", "path_routed")
+VARIANTS = (
+    "unfolded_cublas", "unfolded_triton", "unfolded_skinny", "folded_torch", "folded_triton", "folded_skinny", "routed",
+    "path_unfolded", "path_routed",
+)  # fmt: skip
+SCHEMA_VERSION = 2
+COLUMNS = {
+    "unfolded_us": "the fastest of unfolded_cublas_us, unfolded_triton_us and unfolded_skinny_us at this M "
+    "(the fair baseline; schema 1: cuBLAS only)",
+    "unfolded_cublas_us": "q_b_proj through cuBLAS (F.linear) + W_UK bmm, no RoPE",
+    "unfolded_triton_us": "q_b_proj through the project's Triton kernel tuned for its shape + W_UK bmm, no RoPE; "
+    "null: no tuned config (M > 256 or shape not tuned)",
+    "unfolded_skinny_us": "q_b_proj through the project's skinny Triton kernel tuned for its shape + W_UK bmm, "
+    "no RoPE; null above M = 16",
+    "q_b_proj_kernel": "which q_b_proj kernel gave unfolded_us: cublas, triton or skinny",
+    "folded_torch_us": "fold GEMM through cuBLAS",
+    "folded_triton_us": "fold GEMM through the tuned Triton kernel; null above M = 256",
+    "folded_skinny_us": "fold GEMM through the skinny kernel; null above M = 16; not routed (no dispatcher path)",
+    "routed_us": "fold_gemm (timed) if M <= fold_max_tokens, else the unfolded path (unfolded_us)",
+    "floor_us": "bytes of W_fold + x + y over the measured copy bandwidth",
+    "unfolded_floor_us": "bytes of q_b_proj + W_UK + x + q + ql_nope over the measured copy bandwidth",
+    "path_unfolded_us": "RoPE models only: q_b_proj (cuBLAS), one RoPE launch, W_UK bmm; null for NoPE",
+    "path_routed_us": "RoPE models only: fold_query if M <= fold_max_tokens else path_unfolded; null for NoPE",
+    "rope": "whether the model rotates its rope slot (Kimi-K3: NoPE, false)",
+}
 # A q projection's result: the fold's y [M, n*(L+R)], or the unfolded (ql_nope, q_pe) views.
 Query = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -104,15 +157,37 @@ def as_query(out: Query, dims: MlaDims) -> torch.Tensor:
 
 
 def variants_at(
-    x: torch.Tensor, layers: Layers, cfg: KernelConfig | None, max_tokens: int, rope: QueryRope
+    x: torch.Tensor,
+    layers: Layers,
+    cfg: KernelConfig | None,
+    qb_bucket: Bucket | None,
+    skinny: dict[str, SkinnyConfig | None],
+    max_tokens: int,
+    rope: QueryRope | None,
 ) -> dict[str, Callable[[int], Query]]:
-    """The timed q projections for input ``x``, each a function of the layer copy index."""
+    """The timed q projections for input ``x``, each a function of the layer copy index; the RoPE
+    path variants only where ``rope`` is given, ``routed`` only where it takes the fold."""
     from foldckpt.runtime.kernels import triton_gemm
 
     m, dims = x.shape[0], layers.dims
+    qb_cfg = qb_bucket.config if qb_bucket is not None else None
+    sk_qb, sk_fold = skinny.get("q_b_proj"), skinny.get("fold")
+    q = torch.empty(m, layers.qb.shape[0], device=x.device, dtype=torch.bfloat16)
+    q_sk = torch.empty_like(q)
 
-    def unfolded(i: int) -> Query:
+    def unfolded_cublas(i: int) -> Query:
         return unfolded_query(x, layers.qbs[i], layers.uks[i], dims)
+
+    def unfolded_triton(i: int) -> Query:
+        return triton_unfolded_query(x, layers.qbs[i], layers.uks[i], dims, qb_cfg, q)
+
+    def unfolded_skinny(i: int) -> Query:
+        return triton_unfolded_query(x, layers.qbs[i], layers.uks[i], dims, sk_qb, q_sk)
+
+    def folded_skinny(i: int) -> Query:
+        y = torch.empty(m, dims.fold_rows, device=x.device, dtype=torch.bfloat16)
+        triton_gemm.launch_skinny_gemm(x, layers.folds[i], y, sk_fold)
+        return y
 
     def folded_torch(i: int) -> Query:
         return F.linear(x, layers.folds[i])
@@ -123,100 +198,152 @@ def variants_at(
         return y
 
     def routed(i: int) -> Query:
-        return fold_gemm(x, layers.folds[i]) if m <= max_tokens else unfolded(i)
+        return fold_gemm(x, layers.folds[i])
 
-    rope_unfolded = dataclasses.replace(rope, head_dim=dims.nope + dims.rope)
-
-    def path_unfolded(i: int) -> Query:
-        return unfolded_query(x, layers.qbs[i], layers.uks[i], dims, rope_unfolded)
-
-    def path_routed(i: int) -> Query:
-        return fold_query(x, layers.folds[i], rope) if m <= max_tokens else path_unfolded(i)
-
-    variants = {
-        "unfolded": unfolded, "folded_torch": folded_torch, "routed": routed,
-        "path_unfolded": path_unfolded, "path_routed": path_routed,
-    }  # fmt: skip
+    variants = {"unfolded_cublas": unfolded_cublas, "folded_torch": folded_torch}
+    if m <= max_tokens:
+        variants["routed"] = routed
+    if qb_cfg is not None:
+        variants["unfolded_triton"] = unfolded_triton
+    if sk_qb is not None:
+        variants["unfolded_skinny"] = unfolded_skinny
     if cfg is not None:
         variants["folded_triton"] = folded_triton
+    if sk_fold is not None:
+        variants["folded_skinny"] = folded_skinny
+    if rope is not None:
+        rope_unfolded = dataclasses.replace(rope, head_dim=dims.nope + dims.rope)
+
+        def path_unfolded(i: int) -> Query:
+            return unfolded_query(x, layers.qbs[i], layers.uks[i], dims, rope_unfolded)
+
+        def path_routed(i: int) -> Query:
+            return fold_query(x, layers.folds[i], rope) if m <= max_tokens else path_unfolded(i)
+
+        variants["path_unfolded"] = path_unfolded
+        variants["path_routed"] = path_routed
     return variants
 
 
 def bench_model(
-    model: str, tp: int, heads_total: int, bandwidth: float, device: torch.device
+    model: str, tp: int, heads_total: int, uses_rope: bool, bandwidth: float, device: torch.device
 ) -> tuple[list[dict], dict]:
     from foldckpt.runtime.kernels import triton_gemm
 
     dims = MlaDims(heads_total // tp)
     layers = Layers(dims, device)
     n, k = dims.fold_rows, dims.q_lora
+    qn = layers.qb.shape[0]
     max_tokens = fold_route_max_tokens(n, k, device)
     warmup_fold_gemm(layers.fold, min(max(MS), max_tokens))
-    warmup_fold_query(layers.fold, min(max(MS), max_tokens), decode_rope(1, dims, device).cos_sin_cache, dims.fold_head)
+    if uses_rope:
+        warmup_fold_query(
+            layers.fold, min(max(MS), max_tokens), decode_rope(1, dims, device).cos_sin_cache, dims.fold_head
+        )
     table = load_table(gpu_key(device))
     entry = table.shapes.get((n, k)) if table is not None else None
 
     records = []
     errors: dict[str, float] = {}
+    kernels_won: dict[int, str] = {}
     for m in MS:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         ref = reference_query(x, layers.qb, layers.uk, dims)
-        rope = decode_rope(m, dims, device)
-        roped_ref = ref.clone()
-        roped_ref[..., dims.kv_lora :] = rope_gptj(ref[..., dims.kv_lora :], rope.positions, rope.cos_sin_cache)
+        rope = decode_rope(m, dims, device) if uses_rope else None
+        roped_ref = None
+        if rope is not None:
+            roped_ref = ref.clone()
+            roped_ref[..., dims.kv_lora :] = rope_gptj(ref[..., dims.kv_lora :], rope.positions, rope.cos_sin_cache)
         bucket = entry.bucket_for(m) if entry is not None and m <= TRITON_MAX_M else None
         cfg = bucket.config if bucket is not None else None
+        qb_bucket = q_b_proj_bucket(table, qn, k, m) if m <= TRITON_MAX_M else None
+        skinny = {"q_b_proj": skinny_config(table, "q_b_proj", qn, k, m), "fold": skinny_config(table, "fold", n, k, m)}
 
         if cfg is not None:
             triton_gemm.reserve_workspace(device, *triton_gemm.workspace_needs(m, n, cfg))
-        variants = variants_at(x, layers, cfg, max_tokens, rope)
+        if qb_bucket is not None:
+            triton_gemm.reserve_workspace(device, *triton_gemm.workspace_needs(m, qn, qb_bucket.config))
+        variants = variants_at(x, layers, cfg, qb_bucket, skinny, max_tokens, rope)
         errs = {}
         for name, fn in variants.items():
             errs[name] = relative_error(as_query(fn(0), dims), roped_ref if name.startswith("path_") else ref)
             errors[name] = max(errors.get(name, 0.0), errs[name])
         settle_clocks(device)
         times = time_graphs_us({name: [partial(fn, i) for i in layers.order()] for name, fn in variants.items()})
+        unfolded = {kn: times.get(f"unfolded_{kn}") for kn in ("cublas", "triton", "skinny")}
+        kernel = min((kn for kn, v in unfolded.items() if v is not None), key=lambda kn: unfolded[kn])
+        if m > max_tokens:
+            # The router leaves this batch to the unfolded path: the same launches as the baseline.
+            times["routed"] = unfolded[kernel]
+        kernels_won[m] = kernel
         floor_bytes = (n * k + m * k + m * n) * 2
+        uk_elems = dims.heads * dims.nope * dims.kv_lora
+        unfolded_floor_bytes = (qn * k + uk_elems + m * k + m * qn + m * dims.heads * dims.kv_lora) * 2
+        rounded = {name: round(t, 3) for name, t in times.items()}
         record = {
             "model": model,
             "tp": tp,
             "M": m,
-            "unfolded_us": round(times["unfolded"], 3),
-            "folded_torch_us": round(times["folded_torch"], 3),
-            "folded_triton_us": round(times["folded_triton"], 3) if "folded_triton" in times else None,
-            "routed_us": round(times["routed"], 3),
+            "rope": uses_rope,
+            "unfolded_us": round(unfolded[kernel], 3),
+            "q_b_proj_kernel": kernel,
+            "unfolded_cublas_us": rounded.get("unfolded_cublas"),
+            "unfolded_triton_us": rounded.get("unfolded_triton"),
+            "unfolded_skinny_us": rounded.get("unfolded_skinny"),
+            "folded_torch_us": rounded.get("folded_torch"),
+            "folded_triton_us": rounded.get("folded_triton"),
+            "folded_skinny_us": rounded.get("folded_skinny"),
+            "routed_us": rounded.get("routed"),
             "floor_us": round(floor_bytes / bandwidth * 1e6, 3),
-            "path_unfolded_us": round(times["path_unfolded"], 3),
-            "path_routed_us": round(times["path_routed"], 3),
+            "unfolded_floor_us": round(unfolded_floor_bytes / bandwidth * 1e6, 3),
+            "path_unfolded_us": rounded.get("path_unfolded"),
+            "path_routed_us": rounded.get("path_routed"),
             "max_relerr": float(f"{max(errs.values()):.3e}"),
         }
         records.append(record)
         print(
             f"{model} TP{tp} M={m:5d}: "
             + " ".join(f"{v}={times[v]:.2f}" for v in VARIANTS if v in times)
-            + f" floor={record['floor_us']:.2f} us, relerr {record['max_relerr']:.1e}",
+            + f" floor={record['floor_us']:.2f} us (q_b_proj: {kernel}), relerr {record['max_relerr']:.1e}",
             flush=True,
         )
-        del ref
-    return records, {"n": n, "k": k, "fold_max_tokens": max_tokens, "max_relerr_by_variant": errors}
+        del ref, roped_ref
+    shape = {
+        "n": n,
+        "k": k,
+        "q_b_proj_n": qn,
+        "rope": uses_rope,
+        "fold_max_tokens": max_tokens,
+        "q_b_proj_kernel_by_m": kernels_won,
+        "max_relerr_by_variant": errors,
+    }
+    return records, shape
 
 
-def target_checks(records: list[dict], overhead: float) -> list[str]:
+def target_checks(records: list[dict], shapes: list[dict], overhead: float) -> list[str]:
     """The issue's targets, evaluated on the measured records (Kimi-K3 TP8 and routed everywhere)."""
     lines = [f"near-empty kernel in the same graph setup: {overhead:.2f} us (included in every time, not in the floor)"]
     for r in records:
         if r["model"] == "Kimi-K3" and r["tp"] == 8 and r["M"] <= 56 and r["folded_triton_us"]:
             t = r["folded_triton_us"]
             lines.append(
-                f"Kimi-K3 TP8 M={r['M']}: triton {t:.2f} us, {r['unfolded_us'] / t:.2f}x vs unfolded (target >= 1.35), "
-                f"{t / r['floor_us']:.2f}x floor (target <= 1.30)"
+                f"Kimi-K3 TP8 M={r['M']}: fold triton {t:.2f} us, {r['unfolded_us'] / t:.2f}x vs unfolded "
+                f"{r['unfolded_us']:.2f} us (q_b_proj {r['q_b_proj_kernel']}; cuBLAS q_b_proj "
+                f"{r['unfolded_cublas_us']:.2f} us) (target >= 1.35), {t / r['floor_us']:.2f}x floor (target <= 1.30)"
+                + (f"; fold skinny {r['folded_skinny_us']:.2f} us" if r.get("folded_skinny_us") else "")
             )
     for r in records:
-        if r["model"] == "Kimi-K3" and r["tp"] == 8 and r["M"] <= 56:
+        if r["rope"] and r["M"] <= 56 and r["path_unfolded_us"] is not None:
             lines.append(
-                f"Kimi-K3 TP8 M={r['M']}: decode q path with RoPE {r['path_unfolded_us']:.2f} -> "
+                f"{r['model']} TP{r['tp']} M={r['M']}: decode q path with RoPE {r['path_unfolded_us']:.2f} -> "
                 f"{r['path_routed_us']:.2f} us ({r['path_unfolded_us'] / r['path_routed_us']:.2f}x)"
             )
+    for shape in shapes:
+        won = ", ".join(f"{m}:{kernel}" for m, kernel in shape["q_b_proj_kernel_by_m"].items())
+        lines.append(
+            f"{shape['model']} TP{shape['tp']}: fold_max_tokens={shape['fold_max_tokens']}; q_b_proj kernel of the "
+            f"unfolded baseline by M: {won}"
+        )
     worst = min(records, key=lambda r: routed_ratio(r))
     lines.append(
         f"routed vs best of folded/unfolded: worst {routed_ratio(worst):.3f}x at {worst['model']} TP{worst['tp']} "
@@ -231,16 +358,21 @@ def routed_ratio(r: dict) -> float:
 
 
 def plot(doc: dict, path: Path) -> None:
-    """Time (top) and speedup over unfolded (bottom) per deployment, against M."""
+    """Time (top) and speedup over unfolded (bottom) per deployment, against M (schema 1 or 2)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    schema = doc["meta"].get("schema_version", 1)
     deployments = sorted({(r["model"], r["tp"]) for r in doc["records"]}, key=lambda d: (d[0] != "Kimi-K3", d[1]))
+    thresholds = {(s["model"], s["tp"]): s.get("fold_max_tokens") for s in doc["meta"].get("shapes", [])}
     fig, axes = plt.subplots(2, len(deployments), figsize=(4.2 * len(deployments), 7.5), squeeze=False)
+    unfolded_label = "unfolded: best q_b_proj + W_UK bmm" if schema >= 2 else "unfolded (q_b_proj + W_UK bmm)"
     styles = {
-        "unfolded_us": ("unfolded (q_b_proj + W_UK bmm)", "tab:gray", "o-"),
+        "unfolded_us": (unfolded_label, "tab:gray", "o-"),
+        "unfolded_cublas_us": ("unfolded, cuBLAS q_b_proj", "tab:gray", "o:"),
+        "folded_skinny_us": ("folded, skinny (not routed)", "tab:brown", "v:"),
         "folded_torch_us": ("folded, cuBLAS", "tab:blue", "s-"),
         "folded_triton_us": ("folded, Triton", "tab:red", "^-"),
         "routed_us": ("routed", "black", "--"),
@@ -250,22 +382,37 @@ def plot(doc: dict, path: Path) -> None:
     }
     # Each speed-up is against the unfolded variant doing the same work.
     baselines = {"path_routed_us": "path_unfolded_us"}
+    no_speedup = ("unfolded_us", "unfolded_cublas_us", "floor_us", "path_unfolded_us")
     for col, (model, tp) in enumerate(deployments):
         rows = sorted((r for r in doc["records"] if r["model"] == model and r["tp"] == tp), key=lambda r: r["M"])
         top, bottom = axes[0][col], axes[1][col]
         for key, (label, color, style) in styles.items():
-            pts = [(r["M"], r[key]) for r in rows if r[key] is not None]
+            pts = [(r["M"], r[key]) for r in rows if r.get(key) is not None]
+            if not pts or (key == "unfolded_cublas_us" and all(r["q_b_proj_kernel"] == "cublas" for r in rows)):
+                continue
             top.plot(*zip(*pts, strict=True), style, color=color, label=label, markersize=3, linewidth=1.2)
-            if key not in ("unfolded_us", "floor_us", "path_unfolded_us"):
+            if key not in no_speedup:
                 base = baselines.get(key, "unfolded_us")
-                speed = [(r["M"], r[base] / r[key]) for r in rows if r[key] is not None]
+                speed = [(r["M"], r[base] / r[key]) for r in rows if r.get(key) is not None]
                 bottom.plot(*zip(*speed, strict=True), style, color=color, label=label, markersize=3, linewidth=1.2)
-        top.set(xscale="log", yscale="log", title=f"{model} TP{tp}", ylabel="µs per layer")
+        rope = rows[0].get("rope")
+        kind = "" if rope is None else (", RoPE" if rope else ", NoPE")
+        threshold = thresholds.get((model, tp))
+        top.set(
+            xscale="log", yscale="log", ylabel="µs per layer",
+            title=f"{model} TP{tp}{kind}" + (f", fold_max_tokens={threshold}" if threshold is not None else ""),
+        )  # fmt: skip
+        if threshold:
+            for ax in (top, bottom):
+                ax.axvline(threshold, color="black", linewidth=0.6, alpha=0.5)
         bottom.axhline(1.0, color="tab:gray", linewidth=0.8)
+        # The skinny fold falls off steeply above M=4; keep the routed range readable.
+        bottom.set_ylim(bottom=max(bottom.get_ylim()[0], 0.4))
         bottom.set(xscale="log", xlabel="decode tokens M", ylabel="speedup vs unfolded")
         for ax in (top, bottom):
             ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
+    axes[0][-1].legend(fontsize=7)
     meta = doc["meta"]
     fig.suptitle(
         f"Decode q projection per layer, {meta['device_name']} (copy bw {meta['copy_bandwidth_tb_s']:.2f} TB/s), "
@@ -301,13 +448,14 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     records, shapes = [], []
-    for model, heads, tp in MODELS:
-        model_records, shape = bench_model(model, tp, heads, bandwidth, device)
+    for model, heads, tp, uses_rope in MODELS:
+        model_records, shape = bench_model(model, tp, heads, uses_rope, bandwidth, device)
         records += model_records
         shapes.append({"model": model, "tp": tp, **shape})
         torch.cuda.empty_cache()
     doc = {
         "meta": {
+            "schema_version": SCHEMA_VERSION,
             "gpu": key,
             "device_name": torch.cuda.get_device_name(device),
             "torch": torch.__version__,
@@ -321,10 +469,16 @@ def main(argv: list[str] | None = None) -> int:
                 "median of 15 replays, variants' replays interleaved"
             ),
             "shapes": shapes,
+            "not_measured": (
+                "vLLM 0.33's own H200 skinny kernels for q_b_proj at M <= 16 (CuTe DSL at M=1-2, dsv3_fused_a "
+                "at M=3-8) need vLLM, which the benchmark machine does not have; the unfolded baseline is the "
+                "fastest of cuBLAS and the project's tiled and skinny Triton kernels tuned for the q_b_proj shape"
+            ),
+            "columns": COLUMNS,
         },
         "records": records,
     }
-    checks = target_checks(records, overhead)
+    checks = target_checks(records, shapes, overhead)
     doc["meta"]["target_checks"] = checks
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / f"decode_{key}.json"

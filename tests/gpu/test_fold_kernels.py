@@ -20,14 +20,16 @@ from foldckpt.runtime.kernels import (
     warmup_fold_gemm,
     warmup_fold_query,
 )
-from foldckpt.runtime.kernels.reference import MlaDims, decode_rope
+from foldckpt.runtime.kernels.reference import MlaDims, decode_rope, reference_query
 from foldckpt.runtime.kernels.rope import rope_gptj
 from foldckpt.runtime.kernels.tuning import (
     ENV_FOLD_MAX_TOKENS,
     TRITON_MAX_M,
     UNKNOWN_GPU_FOLD_MAX_TOKENS,
     KernelConfig,
+    SkinnyConfig,
     load_table,
+    q_b_proj_bucket,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -35,6 +37,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 K = 1536
 # Kimi-K3 TP16 / TP8 / TP4 and DeepSeek-V3 TP8 fold shapes.
 SHAPES = tuple(MlaDims(h).fold_rows for h in (6, 12, 24, 16))
+# Their q_b_proj weights [heads * (P + R), K]: the unfolded baseline's Triton kernel runs at these.
+Q_B_PROJ_SHAPES = tuple(h * 192 for h in (6, 12, 24, 16))
 BENCH_MS = (1, 2, 4, 8, 14, 28, 56, 112, 224)
 ODD_MS = (1, 3, 7, 13, 57, 129, 255)
 # bf16 output rounding alone gives ~1e-3; a wrong tile or a lost split gives O(1).
@@ -81,6 +85,98 @@ def test_kernel_matches_fp64(cuda: torch.device, gen: torch.Generator, n: int) -
             triton_gemm.launch_fold_gemm(x, w, y, cfg)
             err = relerr(y, x, w)
             assert err < MAX_RELERR, f"N={n} M={m} {cfg}: relerr {err}"
+
+
+def q_b_proj_configs(device: torch.device, n: int) -> tuple[KernelConfig, ...]:
+    table = load_table(gpu_key(device))
+    return tuple(b.config for b in table.q_b_proj.get((n, K), ())) if table is not None else ()
+
+
+@pytest.mark.parametrize("n", Q_B_PROJ_SHAPES)
+def test_kernel_at_q_b_proj_shapes_matches_fp64(cuda: torch.device, gen: torch.Generator, n: int) -> None:
+    """The tuned q_b_proj configs (quarter-tile row programs, 4 splits) and the fixed ones at the
+    q_b_proj shapes, a third of the fold's rows."""
+    triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
+    w = torch.randn(n, K, device=cuda, generator=gen).bfloat16()
+    extra = (
+        KernelConfig(16, 32, 128, 4, 4, 4, rows_per_program=9),
+        KernelConfig(32, 64, 128, 2, 4, 5, rows_per_program=18),
+    )
+    for cfg in FIXED_CONFIGS + extra + q_b_proj_configs(cuda, n):
+        for m in sorted(set(BENCH_MS + ODD_MS)):
+            x = torch.randn(m, K, device=cuda, generator=gen).bfloat16()
+            y = torch.full((m, n), float("nan"), device=cuda, dtype=torch.bfloat16)
+            triton_gemm.reserve_workspace(cuda, *triton_gemm.workspace_needs(m, n, cfg))
+            triton_gemm.launch_fold_gemm(x, w, y, cfg)
+            err = relerr(y, x, w)
+            assert err < MAX_RELERR, f"N={n} M={m} {cfg}: relerr {err}"
+
+
+@pytest.mark.parametrize("n", Q_B_PROJ_SHAPES + SHAPES[:3])
+def test_skinny_kernel_matches_fp64(cuda: torch.device, gen: torch.Generator, n: int) -> None:
+    """The skinny kernel (the unfolded baseline's stand-in for vLLM's skinny q_b_proj kernels) at
+    every M up to 16, with the table's configs and fixed ones (single rows, PDL, every block_k)."""
+    triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
+    table = load_table(gpu_key(cuda))
+    tabled = [c for key, cfgs in (table.skinny.items() if table is not None else ()) if key[1] == n for c in cfgs]
+    fixed = [SkinnyConfig(1, 1, 512, 2), SkinnyConfig(2, 4, 256, 4, pdl=True), SkinnyConfig(8, 8, 128, 4),
+             SkinnyConfig(16, 2, 256, 8)]  # fmt: skip
+    w = torch.randn(n, K, device=cuda, generator=gen).bfloat16()
+    for cfg in fixed + tabled:
+        for m in range(1, 17):
+            x = torch.randn(m, K + 576, device=cuda, generator=gen).bfloat16()[:, :K]
+            y = torch.full((m, n), float("nan"), device=cuda, dtype=torch.bfloat16)
+            triton_gemm.launch_skinny_gemm(x, w, y, cfg)
+            err = relerr(y, x, w)
+            assert err < MAX_RELERR, f"N={n} M={m} {cfg}: relerr {err}"
+
+
+def test_triton_unfolded_query_matches_fp64(cuda: torch.device, gen: torch.Generator) -> None:
+    """The benchmark's and tuner's unfolded baseline with the Triton q_b_proj kernel: vLLM's math."""
+    tune = pytest.importorskip("foldckpt.runtime.kernels.tune")
+    triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
+    dims = MlaDims(12)
+    qn = dims.heads * (dims.nope + dims.rope)
+    w_qb = (torch.randn(qn, K, device=cuda, generator=gen) / K**0.5).bfloat16()
+    w_uk = (torch.randn(dims.heads, dims.nope, dims.kv_lora, device=cuda, generator=gen) / dims.nope**0.5).bfloat16()
+    table = load_table(gpu_key(cuda))
+    for m in (1, 8, 14, 57, 224):
+        bucket = q_b_proj_bucket(table, qn, K, m)
+        tiled = bucket.config if bucket is not None else KernelConfig(16, 32, 128, 1, 4, 4, rows_per_program=18)
+        for cfg in (tiled, SkinnyConfig(16, 4, 256, 4)) if m <= 16 else (tiled,):
+            x = torch.randn(m, K, device=cuda, generator=gen).bfloat16()
+            q = torch.full((m, qn), float("nan"), device=cuda, dtype=torch.bfloat16)
+            if isinstance(cfg, KernelConfig):
+                triton_gemm.reserve_workspace(cuda, *triton_gemm.workspace_needs(m, qn, cfg))
+            ql_nope, q_pe = tune.triton_unfolded_query(x, w_qb, w_uk, dims, cfg, q)
+            ref = reference_query(x, w_qb, w_uk, dims)
+            got = torch.cat([ql_nope, q_pe], dim=-1).double()
+            err = ((got - ref).norm() / ref.norm()).item()
+            assert torch.isfinite(got).all() and err < MAX_RELERR, f"M={m} {cfg}: {err}"
+
+
+def test_fold_gemm_never_runs_q_b_proj_configs(
+    cuda: torch.device, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[[q_b_proj]] is the baseline's, not the dispatcher's: a q_b_proj-shaped weight that is no
+    measured fold shape goes to torch."""
+    table = load_table(gpu_key(cuda))
+    if table is None or not table.q_b_proj:
+        pytest.skip(f"no q_b_proj entries in the {gpu_key(cuda)} table")
+    triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
+    launches: list[KernelConfig] = []
+    real = triton_gemm.launch_fold_gemm
+    monkeypatch.setattr(
+        triton_gemm, "launch_fold_gemm", lambda x, w, y, cfg, rope=None: (launches.append(cfg), real(x, w, y, cfg, rope))
+    )
+    for n, k in table.q_b_proj:
+        if (n, k) in table.shapes:
+            continue
+        w = torch.randn(n, k, device=cuda, generator=gen).bfloat16()
+        for m in (1, 16, 100):
+            x = torch.randn(m, k, device=cuda, generator=gen).bfloat16()
+            assert torch.equal(fold_gemm(x, w), F.linear(x, w))
+    assert launches == []
 
 
 @pytest.mark.parametrize("cfg", [c for c in FIXED_CONFIGS if c.pdl], ids=str)

@@ -55,9 +55,11 @@ except ImportError:  # a Triton built without the CUDA backend: no config there 
 
 from foldckpt.runtime.kernels.rope import QueryRope
 from foldckpt.runtime.kernels.triton_rope import rope_key_rows, rope_query_tile
-from foldckpt.runtime.kernels.tuning import KernelConfig
+from foldckpt.runtime.kernels.tuning import KernelConfig, SkinnyConfig
 
-__all__ = ["launch_fold_gemm", "reserve_workspace", "rope_fits", "workspace_ready", "workspace_needs"]
+__all__ = [
+    "launch_fold_gemm", "launch_skinny_gemm", "reserve_workspace", "rope_fits", "workspace_ready", "workspace_needs",
+]  # fmt: skip
 
 
 # Nothing that varies per call is specialised: one compile per config serves every M, split
@@ -308,5 +310,82 @@ def launch_fold_gemm(
         ROPE_DIM=rope.rope_dim if rope else 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=cfg.pdl,
+    )
+
+
+# The skinny kernel: ``y = x · Wᵀ`` for a handful of tokens without MMA, GEMV-style. Each program
+# owns ROWS rows of W (as few as 1) and BLOCK_M tokens and reduces K in K_ITERS unrolled chunks of
+# plain vector loads, so that many small programs keep many loads in flight per SM (no shared
+# memory, no pipeline prologue). What vLLM's own H200 skinny kernels for q_b_proj do at M <= 16
+# (CuTe DSL at M=1-2, dsv3_fused_a at M=3-8), which need vLLM; the tuner and the decode benchmark
+# use it for the unfolded baseline, and time it on the fold for comparison. The dispatcher does
+# not route to it.
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
+def _skinny_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_ITERS: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * ROWS + tl.arange(0, ROWS)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    if PDL:
+        gdc_wait()
+    x_rows = tl.multiple_of(offs_m * stride_xm, 8)
+    acc = tl.zeros((ROWS, BLOCK_M), dtype=tl.float32)
+    for kk in tl.static_range(K_ITERS):
+        k0 = kk * BLOCK_K
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
+        if EVEN_N:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
+        x_ptrs = x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :]
+        xk = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0, eviction_policy="evict_last")
+        acc += tl.sum(w.to(tl.float32)[:, None, :] * xk.to(tl.float32)[None, :, :], axis=2)
+    y_ptrs = y_ptr + tl.multiple_of(offs_m * stride_ym, 8)[None, :] + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
+
+
+def launch_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: SkinnyConfig) -> None:
+    """Write ``x · weightᵀ`` into ``out`` with the skinny kernel (no host sync, no workspace).
+
+    Preconditions as ``launch_fold_gemm`` (bf16/fp16, unit column stride, 16-byte aligned rows,
+    contiguous ``weight``) and ``K % cfg.block_k == 0``.
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    _skinny_gemm_kernel[(triton.cdiv(n, cfg.rows), triton.cdiv(m, cfg.block_m))](
+        x,
+        weight,
+        out,
+        m,
+        n,
+        x.stride(0) if m > 1 else 0,
+        weight.stride(0),
+        out.stride(0) if m > 1 else 0,
+        ROWS=cfg.rows,
+        BLOCK_M=cfg.block_m,
+        BLOCK_K=cfg.block_k,
+        K_ITERS=k // cfg.block_k,
+        EVEN_N=n % cfg.rows == 0,
+        PDL=cfg.pdl,
+        num_warps=cfg.num_warps,
         launch_pdl=cfg.pdl,
     )

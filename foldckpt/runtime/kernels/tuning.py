@@ -9,7 +9,7 @@ measurements, never by hand-picked numbers. Layout::
     [[shape]]                   one fold GEMM shape: n = W_fold rows on a rank, k = its columns
     n = 6912
     k = 1536
-    fold_max_tokens = 192       measured crossover: largest M where the fold beats the unfolded path
+    fold_max_tokens = 256       measured crossover against the best unfolded path (``tune.decide``)
     [[shape.bucket]]            token buckets, ascending m_max, covering 1..TRITON_MAX_M
     m_max = 16
     backend = "triton"          which fold GEMM won at this bucket: "triton" or "torch"
@@ -25,6 +25,22 @@ measurements, never by hand-picked numbers. Layout::
     rope_epilogue = true        fold_query does the decode RoPE inside this kernel
     triton_us = 7.417           the measurements behind the choice (informative)
     torch_us = 8.131
+    [[q_b_proj]]                optional: the same kernel tuned for vLLM's q_b_proj GEMM of a
+    n = 2304                    tuned deployment (n = heads * (P + R) rows), buckets as above,
+    k = 1536                    backend = the q_b_proj kernel that won against cuBLAS there. The
+    heads = 12                  tuner and the benchmark use it for the unfolded baseline; the
+    [[q_b_proj.bucket]]         dispatcher never does (``kernel_config_for`` reads [[shape]] only).
+    ...
+    [[skinny]]                  optional: the skinny (GEMV-style, no MMA) kernel's best config per
+    role = "q_b_proj"           token count up to m_max <= 16, for a q_b_proj ("q_b_proj") or fold
+    n = 2304                    ("fold") weight: the unfolded baseline's stand-in for vLLM's own
+    k = 1536                    skinny q_b_proj kernels, and for the fold a measurement only (the
+    m_max = 1                   dispatcher has no skinny path).
+    rows = 4
+    block_k = 256
+    num_warps = 4
+    pdl = true
+    us = 3.5
 """
 
 from __future__ import annotations
@@ -34,7 +50,7 @@ import math
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,11 +68,14 @@ __all__ = [
     "GpuTable",
     "KernelConfig",
     "ShapeEntry",
+    "SkinnyConfig",
     "config_dir",
     "fold_route_max_tokens",
     "kernel_config_for",
     "load_table",
     "parse_table",
+    "q_b_proj_bucket",
+    "skinny_config",
 ]
 
 ENV_FOLD_MAX_TOKENS = "FOLDCKPT_FOLD_MAX_TOKENS"
@@ -107,6 +126,21 @@ class KernelConfig:
 
 
 @dataclass(frozen=True)
+class SkinnyConfig:
+    """Launch parameters of the skinny kernel (``triton_gemm.launch_skinny_gemm``): each program
+    owns ``rows`` rows of W and ``block_m`` tokens and reduces K in ``block_k`` chunks (unrolled)."""
+
+    block_m: int
+    rows: int
+    block_k: int
+    num_warps: int
+    pdl: bool = False
+
+    def fits(self, k: int) -> bool:
+        return k % self.block_k == 0
+
+
+@dataclass(frozen=True)
 class Bucket:
     """Token counts ``(previous m_max, m_max]`` and the GEMM backend that won there."""
 
@@ -139,6 +173,10 @@ class GpuTable:
     gpu: str
     meta: Mapping[str, Any]
     shapes: Mapping[tuple[int, int], ShapeEntry]
+    # (n, k) of a q_b_proj weight -> its tuned buckets (the unfolded baseline's Triton kernel).
+    q_b_proj: Mapping[tuple[int, int], tuple[Bucket, ...]] = field(default_factory=dict)
+    # (role, n, k) -> the skinny kernel's configs, ascending block_m (its m_max).
+    skinny: Mapping[tuple[str, int, int], tuple[SkinnyConfig, ...]] = field(default_factory=dict)
 
 
 def config_dir() -> Path:
@@ -172,6 +210,16 @@ def _parse_bucket(raw: Mapping[str, Any], k: int, where: str) -> Bucket:
     return Bucket(m_max=m_max, backend=backend, config=config)
 
 
+def _parse_buckets(raw: Mapping[str, Any], k: int, where: str) -> tuple[Bucket, ...]:
+    buckets = tuple(
+        _parse_bucket(b, k, f"{where} bucket #{j}") for j, b in enumerate(_require(raw, "bucket", list, where))
+    )
+    bounds = [b.m_max for b in buckets]
+    if not buckets or bounds != sorted(set(bounds)):
+        raise FoldckptError(f"{where}: buckets must be non-empty with strictly ascending m_max, got {bounds}")
+    return buckets
+
+
 def parse_table(data: Mapping[str, Any], source: str) -> GpuTable:
     """Validate a loaded TOML document; ``source`` names it in error messages."""
     meta = _require(data, "meta", dict, source)
@@ -182,16 +230,43 @@ def parse_table(data: Mapping[str, Any], source: str) -> GpuTable:
         n = _require(raw, "n", int, where)
         k = _require(raw, "k", int, where)
         max_tokens = _require(raw, "fold_max_tokens", int, where)
-        buckets = tuple(
-            _parse_bucket(b, k, f"{where} bucket #{j}") for j, b in enumerate(_require(raw, "bucket", list, where))
-        )
-        bounds = [b.m_max for b in buckets]
-        if not buckets or bounds != sorted(set(bounds)):
-            raise FoldckptError(f"{where}: buckets must be non-empty with strictly ascending m_max, got {bounds}")
+        buckets = _parse_buckets(raw, k, where)
         if (n, k) in shapes:
             raise FoldckptError(f"{where}: shape n={n} k={k} appears twice")
         shapes[(n, k)] = ShapeEntry(n=n, k=k, fold_max_tokens=max_tokens, buckets=buckets)
-    return GpuTable(gpu=gpu, meta=meta, shapes=shapes)
+    q_b_proj: dict[tuple[int, int], tuple[Bucket, ...]] = {}
+    raw_q_b_proj = data.get("q_b_proj", [])
+    if not isinstance(raw_q_b_proj, list):
+        raise FoldckptError(f"{source}: [[q_b_proj]] must be an array of tables, got {raw_q_b_proj!r}")
+    for i, raw in enumerate(raw_q_b_proj):
+        where = f"{source} [[q_b_proj]] #{i}"
+        n = _require(raw, "n", int, where)
+        k = _require(raw, "k", int, where)
+        if (n, k) in q_b_proj:
+            raise FoldckptError(f"{where}: shape n={n} k={k} appears twice")
+        q_b_proj[(n, k)] = _parse_buckets(raw, k, where)
+    skinny: dict[tuple[str, int, int], list[SkinnyConfig]] = {}
+    raw_skinny = data.get("skinny", [])
+    if not isinstance(raw_skinny, list):
+        raise FoldckptError(f"{source}: [[skinny]] must be an array of tables, got {raw_skinny!r}")
+    for i, raw in enumerate(raw_skinny):
+        where = f"{source} [[skinny]] #{i}"
+        role = _require(raw, "role", str, where)
+        if role not in ("q_b_proj", "fold"):
+            raise FoldckptError(f"{where}: role {role!r} is not 'q_b_proj' or 'fold'")
+        k = _require(raw, "k", int, where)
+        cfg = SkinnyConfig(
+            block_m=_require(raw, "m_max", int, where),
+            rows=_require(raw, "rows", int, where),
+            block_k=_require(raw, "block_k", int, where),
+            num_warps=_require(raw, "num_warps", int, where),
+            pdl=_require(raw, "pdl", bool, where),
+        )
+        if not cfg.fits(k) or not 1 <= cfg.block_m <= 16:
+            raise FoldckptError(f"{where}: {cfg} does not fit k={k} or m_max is outside 1..16")
+        skinny.setdefault((role, _require(raw, "n", int, where), k), []).append(cfg)
+    skinny_sorted = {key: tuple(sorted(cfgs, key=lambda c: c.block_m)) for key, cfgs in skinny.items()}
+    return GpuTable(gpu=gpu, meta=meta, shapes=shapes, q_b_proj=q_b_proj, skinny=skinny_sorted)
 
 
 @functools.cache
@@ -226,6 +301,19 @@ def kernel_config_for(gpu: str, n: int, k: int, m: int) -> KernelConfig | None:
     if bucket is None or bucket.backend != "triton":
         return None
     return bucket.config
+
+
+def q_b_proj_bucket(table: GpuTable | None, n: int, k: int, m: int) -> Bucket | None:
+    """The tuned q_b_proj bucket holding ``m`` tokens for an ``n`` x ``k`` q_b_proj weight, or None
+    (not tuned, or ``m`` above the last bucket). For the tuner and the benchmark's unfolded baseline."""
+    buckets = table.q_b_proj.get((n, k), ()) if table is not None else ()
+    return next((b for b in buckets if m <= b.m_max), None)
+
+
+def skinny_config(table: GpuTable | None, role: str, n: int, k: int, m: int) -> SkinnyConfig | None:
+    """The skinny kernel's config for ``m`` tokens on a ``role`` weight ``n`` x ``k``, or None."""
+    configs = table.skinny.get((role, n, k), ()) if table is not None else ()
+    return next((c for c in configs if m <= c.block_m), None)
 
 
 def _env_override() -> int | None:
