@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-
-import torch
+from typing import TYPE_CHECKING
 
 from foldckpt.errors import FoldckptError
 from foldckpt.files import read_json_file
@@ -22,6 +21,9 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _MAX_INDEX_BYTES = 256 * 1024 * 1024
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

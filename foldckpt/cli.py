@@ -1,40 +1,65 @@
 """``foldckpt`` command line: thin click commands over library functions.
 
 Each command parses its options, calls one library function, and formats the frozen result it
-returns (``--json`` prints it for machines). Input problems surface as
-:class:`~foldckpt.errors.FoldckptError` and are printed on one line, exit code 2.
+returns (``--json`` prints it for machines). :func:`main` owns every way a command can end:
+
+* usage errors (click's) and input problems (:class:`~foldckpt.errors.FoldckptError`): one line on
+  stderr, exit 2;
+* SIGINT / SIGTERM: one line, exit 130 / 143 (an interrupted ``convert`` resumes when rerun);
+* anything else is a bug: one line naming the file the traceback was written to, exit 3;
+* with ``--json``, each of these also prints ``{"error": {...}}`` on stdout.
+
+Start-up stays light: this module imports click and the stdlib-only parts of foldckpt; the
+commands import what they need when they run, so ``--help``, ``inspect``, ``convert --dry-run``
+and ``verify`` up to its content level never import torch.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import sys
+import tempfile
+import time
+import traceback
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from foldckpt import __version__
-from foldckpt.convert import DEFAULT_MAX_SHARD_SIZE, ConvertOptions, ConvertResult, convert
-from foldckpt.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_VERIFY_FAILED, FoldckptError
+from foldckpt.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERNAL,
+    EXIT_OK,
+    EXIT_VERIFY_FAILED,
+    FoldckptError,
+    Interrupted,
+)
 from foldckpt.files import LINK_MODES
 from foldckpt.geometry import describe_layers
-from foldckpt.inspect import Inspection, inspect_dir
-from foldckpt.plan import FOLD_DTYPES, ConversionPlan, plan_conversion
-from foldckpt.verify import VerifyOptions, VerifyReport, verify
+from foldckpt.plan import DEFAULT_MAX_SHARD_SIZE, FOLD_DTYPE_NAMES
+from foldckpt.progress import human_bytes
+
+if TYPE_CHECKING:
+    from foldckpt.convert import ConvertResult
+    from foldckpt.hub import ModelSource
+    from foldckpt.inspect import Inspection
+    from foldckpt.plan import ConversionPlan
+    from foldckpt.verify import VerifyReport
+
+__all__ = ["cli", "human_bytes", "main"]
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+_TP_HINT = "give positive integers such as --tp 8 or --tp 1,2,4,8"
+LEVELS = ("manifest", "structure", "content", "deep")  # as foldckpt.verify.LEVELS (not imported: start-up)
 
-
-def human_bytes(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(count) < 1000 or unit == "TB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1000
-    raise AssertionError("unreachable")
+# Set by ``convert`` once it starts writing OUT_DIR: an interruption from then on is resumable.
+_resumable = False
 
 
 class ByteSize(click.ParamType):
@@ -52,11 +77,18 @@ class ByteSize(click.ParamType):
 
 
 def _parse_tp(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[int, ...] | None:
-    try:
-        sizes = tuple(int(part) for item in value for part in item.split(",") if part.strip())
-    except ValueError:
-        raise click.BadParameter("expected integers such as --tp 8 or --tp 1,2,4,8") from None
-    return sizes or None
+    sizes: list[int] = []
+    for item in value:
+        for part in item.split(","):
+            text = part.strip()
+            if not text:
+                raise click.BadParameter(f"{item!r} has an empty entry; {_TP_HINT}")
+            if not re.fullmatch(r"[+-]?\d+", text):
+                raise click.BadParameter(f"{text!r} is not an integer; {_TP_HINT}")
+            if int(text) <= 0:
+                raise click.BadParameter(f"{text} is not a tensor-parallel size; {_TP_HINT}")
+            sizes.append(int(text))
+    return tuple(sizes) or None
 
 
 def _emit_json(data: Any) -> None:
@@ -73,14 +105,29 @@ def cli() -> None:
     foldckpt verify OUT_DIR              prove OUT_DIR is what was converted (and that it is right)
     foldckpt inspect DIR                 geometry, MLA layers, fold status and overhead
 
-    Exit codes: 0 ok, 1 verification failed, 2 bad input or usage.
+    MODEL_DIR may be a Hugging Face model id (ORG/NAME) in the local Hugging Face cache.
+
+    Exit codes: 0 ok, 1 verification failed, 2 bad input or usage, 3 internal error,
+    130/143 interrupted (rerun convert to resume).
     """
 
 
-def _print_plan(plan: ConversionPlan) -> None:
+def _resolve(model: str, revision: str | None) -> ModelSource:
+    from foldckpt.hub import resolve_model
+
+    return resolve_model(model, revision)
+
+
+def _model_line(source: ModelSource) -> str:
+    if source.repo_id is None:
+        return str(source.path)
+    return f"{source.repo_id} (revision {source.revision}, commit {source.commit}, {source.path})"
+
+
+def _print_plan(plan: ConversionPlan, source: ModelSource) -> None:
     g = plan.geometry
     layers = describe_layers(layer.layer for layer in plan.layers)
-    click.echo(f"model      {plan.source.model_dir} ({g.architecture}, family {g.family})")
+    click.echo(f"model      {_model_line(source)} ({g.architecture}, family {g.family})")
     click.echo(
         f"geometry   H={g.num_heads} Lq={g.q_lora_rank} L={g.kv_lora_rank} P={g.qk_nope_head_dim} "
         f"R={g.qk_rope_head_dim} V={g.v_head_dim} rope={'yes' if g.uses_rope else 'no (NoPE)'}"
@@ -97,23 +144,39 @@ def _print_plan(plan: ConversionPlan) -> None:
     click.echo(f"GPU memory extra per rank: {per_gpu}")
 
 
+def _layer_list(result: ConvertResult, status: str) -> str:
+    return ", ".join(f"{layer.index}{' (mtp)' if layer.is_mtp else ''}" for layer in result.layers if layer.status == status)
+
+
 def _print_convert(result: ConvertResult) -> None:
+    worst = result.worst_layer
+    accuracy = (
+        f"accuracy   max relative error vs fp64 fold {result.max_rel_error:.2e}"
+        + (f" (layer {worst.index})" if worst is not None else "")
+    )
     if result.up_to_date:
         click.echo(f"{result.out_dir}: already converted with these inputs and parameters; nothing to do")
+        click.echo(f"layers     {result.layers_total} MLA layer(s) folded: {_layer_list(result, 'up_to_date')}")
+        click.echo(accuracy)
         return
     placed = ", ".join(f"{count} {how}" for how, count in sorted(result.placed.items())) or "none"
-    click.echo(f"folded     {result.layers_folded} layer(s), resumed {result.layers_resumed}, total {result.layers_total}")
+    folded = _layer_list(result, "folded")
+    click.echo(f"folded     {result.layers_folded} of {result.layers_total} MLA layer(s)" + (f": {folded}" if folded else ""))
+    if result.layers_resumed:
+        click.echo(f"resumed    {result.layers_resumed} layer(s) folded by the interrupted run: {_layer_list(result, 'resumed')}")
     for name, size in result.sidecars.items():
         click.echo(f"sidecar    {name}  {human_bytes(size)}")
     click.echo(f"sources    placed: {placed}")
-    click.echo(f"accuracy   max relative error vs fp64 fold {result.max_rel_error:.2e}")
+    click.echo(accuracy)
     click.echo(f"done       {result.out_dir} in {result.elapsed_s:.1f} s; check it with: foldckpt verify {result.out_dir}")
 
 
 @cli.command(name="convert")
-@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("model_dir", metavar="MODEL_DIR")
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--fold-dtype", type=click.Choice(list(FOLD_DTYPES)), default="bfloat16", show_default=True,
+@click.option("--revision", default=None, metavar="REV",
+              help="With a Hugging Face model id: the branch, tag or commit in the local cache (default main).")  # fmt: skip
+@click.option("--fold-dtype", type=click.Choice(list(FOLD_DTYPE_NAMES)), default="bfloat16", show_default=True,
               help="Dtype of the stored fold (accumulation is always fp32, rounded once).")  # fmt: skip
 @click.option("--max-shard-size", type=ByteSize(), default=DEFAULT_MAX_SHARD_SIZE, show_default="5GiB",
               help="Cap on each sidecar shard's size.")  # fmt: skip
@@ -126,44 +189,58 @@ def _print_convert(result: ConvertResult) -> None:
 @click.option("--restart", is_flag=True, help="Discard an unfinished (or different) previous run in OUT_DIR.")
 @click.option("--overwrite", is_flag=True, help="Allow a non-empty OUT_DIR that is not a foldckpt output.")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Hashing threads (default: one per core).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress reports.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def convert_command(model_dir: Path, out_dir: Path, fold_dtype: str, max_shard_size: int,
+def convert_command(model_dir: str, out_dir: Path, revision: str | None, fold_dtype: str, max_shard_size: int,
                     tp_sizes: tuple[int, ...] | None, link: str, dry_run: bool, allow_nonfinite: bool,
                     restart: bool, overwrite: bool, workers: int | None, quiet: bool, as_json: bool) -> None:  # fmt: skip
-    """Fold every MLA layer of MODEL_DIR into OUT_DIR (resumable; rerun to continue a killed run)."""
+    """Fold every MLA layer of MODEL_DIR into OUT_DIR (resumable; rerun to continue a killed run).
+
+    MODEL_DIR is a model directory, or a Hugging Face model id (ORG/NAME, with --revision)
+    already in the local Hugging Face cache; foldckpt never downloads.
+    """
+    global _resumable
+    source = _resolve(model_dir, revision)
     if dry_run:
-        plan = plan_conversion(model_dir, fold_dtype, max_shard_size, tp_sizes)
+        from foldckpt.plan import plan_conversion
+
+        plan = plan_conversion(source.path, fold_dtype, max_shard_size, tp_sizes)
         if as_json:
             _emit_json({
+                "model": str(source.path),
+                "source": source.to_dict(),
                 "layers": [layer.layer.index for layer in plan.layers],
                 "sidecars": {shard.name: shard.size for shard in plan.shards},
                 "fold_bytes": plan.fold_bytes,
                 "extra_bytes_per_gpu": plan.extra_bytes_per_gpu(),
             })  # fmt: skip
         else:
-            _print_plan(plan)
+            _print_plan(plan, source)
         return
+    from foldckpt.convert import ConvertOptions, convert
+
     options = ConvertOptions(
         fold_dtype=fold_dtype, max_shard_size=max_shard_size, tp_sizes=tp_sizes, link=link,
         allow_nonfinite=allow_nonfinite, restart=restart, overwrite=overwrite,
         progress=not quiet and not as_json, workers=workers,
     )  # fmt: skip
-    result = convert(model_dir, out_dir, options)
+    _resumable = True
+    result = convert(source, out_dir, options)
+    _resumable = False
     _emit_json(result.to_dict()) if as_json else _print_convert(result)
 
 
 def _print_verify(report: VerifyReport) -> None:
     for level in report.levels:
-        click.echo(f"{'ok  ' if level.ok else 'FAIL'} {level.name:<10} {level.summary}")
+        click.echo(f"{'ok  ' if level.ok else 'FAIL'} {level.name:<10} {level.summary} ({level.elapsed_s:.2f} s)")
         for problem in level.problems:
             click.echo(f"     - {problem}")
-    click.echo("verified" if report.ok else "verification FAILED")
+    click.echo(f"{'verified' if report.ok else 'verification FAILED'} in {report.elapsed_s:.2f} s")
 
 
 @cli.command(name="verify")
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--level", type=click.Choice(["manifest", "structure", "content", "deep"]), default="content",
+@click.option("--level", type=click.Choice(LEVELS), default="content",
               show_default=True, help="Stop after this level (each level includes the cheaper ones).")  # fmt: skip
 @click.option("--deep", is_flag=True, help="Same as --level deep: recompute folds from the source tensors.")
 @click.option("--sample", type=click.IntRange(min=1), default=None, help="With --deep: recompute only K layers.")
@@ -171,27 +248,32 @@ def _print_verify(report: VerifyReport) -> None:
 @click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor-parallel size for --rank.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Hashing threads (default: one per core when the files are cached, else two per core).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress reports.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def verify_command(out_dir: Path, level: str, deep: bool, sample: int | None, rank: int | None,
+@click.pass_context
+def verify_command(ctx: click.Context, out_dir: Path, level: str, deep: bool, sample: int | None, rank: int | None,
                    tp: int | None, workers: int | None, quiet: bool, as_json: bool) -> None:  # fmt: skip
     """Check OUT_DIR against its manifest: files, structure, sha256, and (--deep) the math."""
     if (rank is None) != (tp is None):
-        raise click.UsageError("--rank and --tp go together")
+        raise click.UsageError("--rank and --tp go together (--rank R --tp N)")
     if sample is not None and not (deep or level == "deep"):
         raise click.UsageError("--sample applies to --deep")
+    from foldckpt.verify import VerifyOptions, verify
+
     options = VerifyOptions(
         level="deep" if deep else level, sample=sample, rank=rank, tp=tp, workers=workers,
         progress=not quiet and not as_json,
     )  # fmt: skip
     report = verify(out_dir, options)
     _emit_json(report.to_dict()) if as_json else _print_verify(report)
-    sys.exit(EXIT_OK if report.ok else EXIT_VERIFY_FAILED)
+    ctx.exit(EXIT_OK if report.ok else EXIT_VERIFY_FAILED)
 
 
 def _print_inspection(info: Inspection) -> None:
     g = info.geometry
     click.echo(f"directory  {info.directory}")
+    if info.source is not None:
+        click.echo(f"source     {info.source['repo_id']} (revision {info.source['revision']}, commit {info.source['commit']})")
     click.echo(f"model      {g.architecture} (family {g.family})")
     click.echo(
         f"geometry   H={g.num_heads} Lq={g.q_lora_rank} L={g.kv_lora_rank} P={g.qk_nope_head_dim} "
@@ -205,28 +287,112 @@ def _print_inspection(info: Inspection) -> None:
         return
     click.echo(f"fold       {info.folded_layers}/{len(g.layers)} layers, {info.fold_dtype}, "
                f"{human_bytes(info.fold_bytes)} ({100 * info.fold_bytes / max(info.model_bytes, 1):.2f}% of the weights)")  # fmt: skip
+    for name, size in info.sidecars.items():
+        count = sum(layer.sidecar == name for layer in info.layers)
+        click.echo(f"sidecar    {name}  {count} layer(s)  {human_bytes(size)}")
+    width = max((len(f"{layer.index}{' (mtp)' if layer.is_mtp else ''}") for layer in info.layers), default=0)
+    for layer in info.layers:
+        label = f"{layer.index}{' (mtp)' if layer.is_mtp else ''}"
+        click.echo(f"layer      {label:<{width}}  {layer.sidecar}  relative error vs fp64 {layer.rel_fro_error:.2e}")
     per_gpu = ", ".join(f"TP{tp} {human_bytes(b)}" for tp, b in info.extra_bytes_per_gpu.items())
     click.echo(f"GPU memory extra per rank: {per_gpu}")
 
 
 @cli.command(name="inspect")
-@click.argument("directory", type=click.Path(path_type=Path))
+@click.argument("directory", metavar="DIR")
+@click.option("--revision", default=None, metavar="REV", help="With a Hugging Face model id: the branch, tag or commit.")
 @click.option("--json", "as_json", is_flag=True, help="Print the inspection as JSON.")
-def inspect_command(directory: Path, as_json: bool) -> None:
-    """Show the MLA geometry of a model or converted directory, its fold status and overhead."""
-    info = inspect_dir(directory)
+def inspect_command(directory: str, revision: str | None, as_json: bool) -> None:
+    """Show the MLA geometry of a model or converted directory, its fold status and overhead.
+
+    DIR may also be a Hugging Face model id (ORG/NAME) in the local Hugging Face cache.
+    """
+    from foldckpt.inspect import inspect_dir
+
+    info = inspect_dir(_resolve(directory, revision))
     _emit_json(info.to_dict()) if as_json else _print_inspection(info)
 
 
-def main() -> None:
-    """Console entry point: one-line errors and exit code 2 for bad input."""
+# ---------------------------------------------------------------------------------------------
+# How a command ends
+
+
+def _wants_json(args: list[str]) -> bool:
+    options = args[: args.index("--")] if "--" in args else args
+    return "--json" in options
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _fail(code: int, kind: str, message: str, as_json: bool, **extra: Any) -> None:
+    """Report how the command ended (one line on stderr, and JSON on stdout with --json); exit."""
+    if as_json:
+        click.echo(json.dumps({"error": {"code": code, "kind": kind, "message": message, **extra}}, indent=2))
+    click.echo(f"foldckpt: {'error: ' if kind in ('usage', 'input') else ''}{message}", err=True)
+    sys.exit(code)
+
+
+def _usage_message(exc: click.UsageError) -> str:
+    no_args = getattr(click.exceptions, "NoArgsIsHelpError", None)
+    command = exc.ctx.command_path if exc.ctx is not None else "foldckpt"
+    if no_args is not None and isinstance(exc, no_args):
+        return f"no command given; choose one of convert, verify, inspect; see '{command} --help'"
+    return f"{_one_line(exc.format_message()).rstrip('.')}; see '{command} --help'"
+
+
+def _write_traceback() -> str:
+    fd, path = tempfile.mkstemp(prefix="foldckpt-traceback-", suffix=".txt")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(f"foldckpt {__version__}, python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.write(f"argv: {sys.argv!r}\n\n")
+        handle.write(traceback.format_exc())
+    return path
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    # A second signal while this one unwinds kills at once: every step is durable, nothing is lost.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Interrupted(signum, signal.Signals(signum).name)
+
+
+def main(args: list[str] | None = None) -> None:
+    """Console entry point: run one command and end it with the documented exit code."""
+    args = sys.argv[1:] if args is None else list(args)
+    as_json = _wants_json(args)
+    # torch warns on import when numpy is absent; foldckpt does not use numpy (nor depend on it).
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     # A file-size limit (RLIMIT_FSIZE) must surface as EFBIG, not kill the process.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
     try:
-        cli(prog_name="foldckpt")
+        code = cli.main(args=args, prog_name="foldckpt", standalone_mode=False)
+    except click.UsageError as exc:
+        _fail(EXIT_BAD_INPUT, "usage", _usage_message(exc), as_json)
+    except click.ClickException as exc:
+        _fail(EXIT_BAD_INPUT, "usage", _one_line(exc.format_message()), as_json)
     except FoldckptError as exc:
-        click.echo(f"foldckpt: error: {exc}", err=True)
-        sys.exit(EXIT_BAD_INPUT)
-    except KeyboardInterrupt:
-        click.echo("foldckpt: interrupted; rerun the same command to resume", err=True)
-        sys.exit(130)
+        _fail(EXIT_BAD_INPUT, "input", _one_line(str(exc)), as_json)
+    except (Interrupted, KeyboardInterrupt, click.exceptions.Abort) as exc:
+        signum, name = (exc.signum, exc.name) if isinstance(exc, Interrupted) else (signal.SIGINT, "SIGINT")
+        if _resumable:
+            message = f"interrupted by {name}; the finished layers are kept: rerun the same command to resume"
+        else:
+            message = f"interrupted by {name}"
+        _fail(128 + signum, "interrupted", message, as_json, signal=name, resumable=_resumable)
+    except BrokenPipeError:  # `foldckpt inspect DIR | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(EXIT_OK)
+    except Exception as exc:  # a bug: one line, the traceback in a file
+        path = _write_traceback()
+        first = _one_line(str(exc).splitlines()[0] if str(exc) else "")
+        _fail(
+            EXIT_INTERNAL, "internal",
+            f"internal error: {type(exc).__name__}{': ' + first if first else ''}; "
+            f"traceback written to {path} (please report it)",
+            as_json, traceback=path,
+        )  # fmt: skip
+    sys.exit(code if isinstance(code, int) else EXIT_OK)

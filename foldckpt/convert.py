@@ -12,17 +12,23 @@ import os
 import shutil
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from foldckpt.checkpoint import stays_inside
 from foldckpt.errors import FoldckptError
-from foldckpt.files import is_tmp_path, os_error, place_file, remove_stale_tmp_files, sha256_file, tmp_path_for
-from foldckpt.layer import fold_from_source
+from foldckpt.files import (
+    is_tmp_path,
+    os_error,
+    place_file,
+    remove_stale_tmp_files,
+    sha256_file,
+    tmp_path_for,
+    worker_pool,
+)
+from foldckpt.hub import ModelSource
 from foldckpt.journal import JOURNAL_NAME, Journal, run_key
 from foldckpt.manifest import (
     MANIFEST_NAME,
@@ -33,15 +39,17 @@ from foldckpt.manifest import (
     write_manifest,
 )
 from foldckpt.plan import (
+    DEFAULT_MAX_SHARD_SIZE,
     SIDECAR_METADATA,
     SIDECAR_PREFIX,
     ConversionPlan,
     ShardPlan,
     plan_conversion,
 )
+from foldckpt.progress import progress_bar
 from foldckpt.sidecar import ShardWriter
 
-DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "ConvertOptions", "ConvertResult", "LayerOutcome", "convert"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,23 @@ class ConvertOptions:
 
 
 @dataclass(frozen=True)
+class LayerOutcome:
+    """One MLA layer of the result: its config index, sidecar, error vs fp64, and whether this run
+    folded it (``folded``), an earlier interrupted run did (``resumed``), or the output was already
+    complete (``up_to_date``)."""
+
+    index: int
+    is_mtp: bool
+    tensor: str
+    sidecar: str
+    rel_fro_error: float
+    status: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
 class ConvertResult:
     out_dir: Path
     up_to_date: bool
@@ -69,9 +94,24 @@ class ConvertResult:
     placed: dict[str, int] = field(default_factory=dict)
     max_rel_error: float = 0.0
     elapsed_s: float = 0.0
+    layers: tuple[LayerOutcome, ...] = ()
+    model: str = ""
+    source: dict[str, Any] | None = None
+
+    @property
+    def worst_layer(self) -> LayerOutcome | None:
+        return max(self.layers, key=lambda layer: layer.rel_fro_error, default=None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "out_dir": str(self.out_dir)}
+        worst = self.worst_layer
+        return {
+            **self.__dict__,
+            "out_dir": str(self.out_dir),
+            "layers": [layer.to_dict() for layer in self.layers],
+            "folded_layers": [layer.index for layer in self.layers if layer.status == "folded"],
+            "resumed_layers": [layer.index for layer in self.layers if layer.status == "resumed"],
+            "worst_layer": worst.index if worst else None,
+        }
 
 
 def _output_parameters(plan: ConversionPlan, options: ConvertOptions) -> dict[str, Any]:
@@ -169,7 +209,7 @@ def _check_free_space(plan: ConversionPlan, out_dir: Path, journal: Journal, lin
 def _place_sources(plan: ConversionPlan, out_dir: Path, journal: Journal, options: ConvertOptions) -> None:
     todo = [n for n in plan.files_to_place if not (n in journal.placed and (out_dir / n).exists())]
     total = sum((plan.source.model_dir / n).stat().st_size for n in todo)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="placing sources", disable=not options.progress) as bar:
+    with progress_bar(total, "placing sources", "B", options.progress) as bar:
         for name in todo:
             size = (plan.source.model_dir / name).stat().st_size
             how = place_file(plan.source.model_dir / name, out_dir / name, options.link, progress=None)
@@ -184,15 +224,17 @@ def _write_shard(
     out_dir: Path,
     journal: Journal,
     options: ConvertOptions,
-    pool: ThreadPoolExecutor,
-    bar: tqdm,
-) -> int:
-    """Write (or finish) one sidecar shard; returns the number of layers folded in this run."""
+    pool: Executor,
+    bar: Any,
+) -> list[str]:
+    """Write (or finish) one sidecar shard; returns the folds (tensor names) made in this run."""
+    from foldckpt.layer import fold_from_source  # torch: only once there is something to fold
+
     progress = journal.shard(shard.name)
     writer = ShardWriter(out_dir / shard.name, shard.specs, SIDECAR_METADATA, progress.offset)
     if writer.offset != progress.offset:  # nothing usable on disk: start the shard over
         progress.tensors.clear()
-    folded = 0
+    folded: list[str] = []
     try:
         for layer in shard.layers:
             if layer.output.name in progress.tensors:
@@ -202,7 +244,7 @@ def _write_shard(
             progress.offset = writer.append(data)
             progress.tensors[record.name] = record.to_dict()
             journal.save()
-            folded += 1
+            folded.append(record.name)
             bar.set_postfix(layer=layer.layer.index, relerr=f"{record.error['rel_fro_error']:.1e}")
             bar.update(1)
         # Journal the finished shard before renaming it: a kill in between then costs a rehash
@@ -221,10 +263,9 @@ def _hash_sources(plan: ConversionPlan, out_dir: Path, journal: Journal, options
     sizes = {n: (out_dir / n).stat().st_size for n in plan.files_to_place if n not in journal.source_hashes}
     workers = options.workers or os.cpu_count() or 1
     with (
-        tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc="hashing sources",
-             disable=not options.progress) as bar,
-        ThreadPoolExecutor(max_workers=workers) as pool,
-    ):  # fmt: skip
+        progress_bar(sum(sizes.values()), "hashing sources", "B", options.progress) as bar,
+        worker_pool(workers) as pool,
+    ):
         largest_first = sorted(sizes, key=sizes.__getitem__, reverse=True)
         futures = {n: pool.submit(sha256_file, out_dir / n, bar.update) for n in largest_first}
         for name, future in futures.items():
@@ -232,7 +273,9 @@ def _hash_sources(plan: ConversionPlan, out_dir: Path, journal: Journal, options
             journal.save()
 
 
-def _manifest(plan: ConversionPlan, journal: Journal, parameters: dict[str, Any]) -> Manifest:
+def _manifest(
+    plan: ConversionPlan, journal: Journal, parameters: dict[str, Any], source: dict[str, Any] | None
+) -> Manifest:
     tensors = {
         name: FoldTensor.from_dict(name, record)
         for shard in plan.shards
@@ -248,33 +291,58 @@ def _manifest(plan: ConversionPlan, journal: Journal, parameters: dict[str, Any]
         sidecars={s.name: FileRecord(**journal.shard(s.name).done) for s in plan.shards},
         source_files={n: FileRecord(**journal.source_hashes[n]) for n in plan.files_to_place},
         parameters=parameters,
+        source=source,
     )
 
 
-def convert(model_dir: Path, out_dir: Path, options: ConvertOptions = ConvertOptions()) -> ConvertResult:
-    """Fold every MLA layer of ``model_dir`` into sidecars in ``out_dir`` (resumable, idempotent)."""
+def _outcomes(plan: ConversionPlan, manifest: Manifest, status: dict[str, str]) -> tuple[LayerOutcome, ...]:
+    return tuple(
+        LayerOutcome(
+            index=layer.layer.index,
+            is_mtp=layer.layer.is_mtp,
+            tensor=layer.output.name,
+            sidecar=manifest.tensors[layer.output.name].file,
+            rel_fro_error=float(manifest.tensors[layer.output.name].error["rel_fro_error"]),
+            status=status.get(layer.output.name, "resumed"),
+        )
+        for layer in plan.layers
+    )
+
+
+def convert(
+    model_dir: Path | ModelSource, out_dir: Path, options: ConvertOptions = ConvertOptions()
+) -> ConvertResult:
+    """Fold every MLA layer of ``model_dir`` into sidecars in ``out_dir`` (resumable, idempotent).
+
+    ``model_dir`` is a directory, or a :class:`~foldckpt.hub.ModelSource` (a Hugging Face cache
+    snapshot, whose id and commit the manifest then records).
+    """
     started = time.monotonic()
-    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    origin = model_dir if isinstance(model_dir, ModelSource) else ModelSource(Path(model_dir))
+    model_dir, out_dir = origin.path, Path(out_dir)
+    source = origin.to_dict()
     plan = plan_conversion(model_dir, options.fold_dtype, options.max_shard_size, options.tp_sizes)
     parameters = _output_parameters(plan, options)
-    key = run_key(model_dir, plan.files_to_place, parameters)
+    # The manifest records where a Hub model came from, so that identity is part of the run too.
+    key = run_key(model_dir, plan.files_to_place, parameters if source is None else {**parameters, "source": source})
     sidecars = {shard.name: shard.size for shard in plan.shards}
     journal = _prepare_out_dir(model_dir, out_dir, key, options)
     if journal is None:
         manifest = read_manifest(out_dir)
+        layers = _outcomes(plan, manifest, {layer.output.name: "up_to_date" for layer in plan.layers})
         return ConvertResult(
-            out_dir, True, len(plan.layers), 0, len(plan.layers), sidecars, plan.fold_bytes,
-            max_rel_error=max(t.error["rel_fro_error"] for t in manifest.tensors.values()),
-            elapsed_s=time.monotonic() - started,
+            out_dir, True, len(plan.layers), 0, 0, sidecars, plan.fold_bytes,
+            max_rel_error=max(layer.rel_fro_error for layer in layers),
+            elapsed_s=time.monotonic() - started, layers=layers, model=origin.label, source=source,
         )  # fmt: skip
     remove_stale_tmp_files(out_dir, keep={tmp_path_for(out_dir / name) for name in journal.shards})
     _check_free_space(plan, out_dir, journal, options.link)
 
     _place_sources(plan, out_dir, journal, options)
-    folded = 0
+    folded: list[str] = []
     with (
-        ThreadPoolExecutor(max_workers=options.workers or os.cpu_count() or 1) as pool,
-        tqdm(total=len(plan.layers), unit="layer", desc="folding", disable=not options.progress) as bar,
+        worker_pool(options.workers or os.cpu_count() or 1) as pool,
+        progress_bar(len(plan.layers), "folding", "layer", options.progress) as bar,
     ):
         for shard in plan.shards:
             if journal.shard(shard.name).done and (out_dir / shard.name).exists():
@@ -284,21 +352,25 @@ def convert(model_dir: Path, out_dir: Path, options: ConvertOptions = ConvertOpt
     _hash_sources(plan, out_dir, journal, options)
 
     parameters["run_key"] = key
-    manifest = _manifest(plan, journal, parameters)
+    manifest = _manifest(plan, journal, parameters, source)
     write_manifest(out_dir, manifest)
     journal.path.unlink(missing_ok=True)
     placed: dict[str, int] = {}
     for how in journal.placed.values():
         placed[how] = placed.get(how, 0) + 1
+    layers = _outcomes(plan, manifest, dict.fromkeys(folded, "folded"))
     return ConvertResult(
         out_dir=out_dir,
         up_to_date=False,
         layers_total=len(plan.layers),
-        layers_folded=folded,
-        layers_resumed=len(plan.layers) - folded,
+        layers_folded=len(folded),
+        layers_resumed=len(plan.layers) - len(folded),
         sidecars=sidecars,
         fold_bytes=plan.fold_bytes,
         placed=placed,
-        max_rel_error=max(t.error["rel_fro_error"] for t in manifest.tensors.values()),
+        max_rel_error=max(layer.rel_fro_error for layer in layers),
         elapsed_s=time.monotonic() - started,
+        layers=layers,
+        model=origin.label,
+        source=source,
     )

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -30,6 +31,19 @@ LINK_MODES = ("auto", "hard", "copy", "symlink")
 
 _DISK_FULL = {errno.ENOSPC: "disk full", errno.EFBIG: "file too large for this filesystem or limit",
               errno.EDQUOT: "disk quota exceeded"}  # fmt: skip
+
+
+@contextmanager
+def worker_pool(workers: int) -> Iterator[ThreadPoolExecutor]:
+    """A thread pool that, when the block raises (an error, Ctrl-C, SIGTERM), drops the tasks not
+    yet started instead of running them all first: only the ones in flight finish."""
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 def tmp_path_for(path: Path) -> Path:
@@ -142,7 +156,9 @@ def place_file(src: Path, dst: Path, mode: str, progress: Callable[[int], object
     tmp.unlink(missing_ok=True)
     if mode in ("auto", "hard"):
         try:
-            os.link(src, tmp)
+            # link(2) does not follow a symlink: linking a Hugging Face snapshot entry (a relative
+            # symlink into blobs/) would give OUT_DIR a dangling link, so link the file it names.
+            os.link(os.path.realpath(src), tmp)
             os.replace(tmp, dst)
             tmp.unlink(missing_ok=True)  # rename(2) is a no-op, leaving tmp, when dst already links src
             return "hard"

@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from foldckpt.checkpoint import open_source_checkpoint
+from foldckpt.errors import FoldckptError
 from foldckpt.geometry import Geometry, read_geometry
+from foldckpt.hub import ModelSource
 from foldckpt.manifest import MANIFEST_NAME, read_manifest
+
+
+@dataclass(frozen=True)
+class FoldedLayer:
+    """One fold recorded in the manifest: config layer index, sidecar and error vs fp64."""
+
+    index: int
+    is_mtp: bool
+    tensor: str
+    sidecar: str
+    rel_fro_error: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
 
 
 @dataclass(frozen=True)
@@ -20,6 +36,9 @@ class Inspection:
     fold_dtype: str | None
     fold_bytes: int
     extra_bytes_per_gpu: dict[int, int]
+    layers: tuple[FoldedLayer, ...] = ()
+    sidecars: dict[str, int] = field(default_factory=dict)
+    source: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -30,18 +49,29 @@ class Inspection:
             "fold_dtype": self.fold_dtype,
             "fold_bytes": self.fold_bytes,
             "extra_bytes_per_gpu": self.extra_bytes_per_gpu,
+            "layers": [layer.to_dict() for layer in self.layers],
+            "sidecars": self.sidecars,
+            "source": self.source,
         }
 
 
-def inspect_dir(directory: Path) -> Inspection:
-    directory = Path(directory)
+def inspect_dir(directory: Path | ModelSource) -> Inspection:
+    origin = directory if isinstance(directory, ModelSource) else ModelSource(Path(directory))
+    directory = origin.path
+    if not directory.is_dir():  # before config.json: a missing directory is not a missing config
+        raise FoldckptError(f"{directory}: not a directory" if directory.exists() else f"{directory}: no such directory")
     geometry = read_geometry(directory)
     source = open_source_checkpoint(directory)
     model_bytes = sum(header.file_size for header in source.headers.values())
     if not (directory / MANIFEST_NAME).exists():
-        return Inspection(directory, geometry, model_bytes, None, None, 0, {})
+        return Inspection(directory, geometry, model_bytes, None, None, 0, {}, source=origin.to_dict())
     manifest = read_manifest(directory)
     fold_bytes = manifest.fold_bytes()
+    mtp = {layer.index: layer.is_mtp for layer in manifest.geometry.layers}
+    layers = tuple(
+        FoldedLayer(t.layer_index, mtp.get(t.layer_index, False), t.name, t.file, float(t.error.get("rel_fro_error", 0.0)))
+        for t in manifest.tensors.values()
+    )
     return Inspection(
         directory=directory,
         geometry=geometry,
@@ -50,4 +80,7 @@ def inspect_dir(directory: Path) -> Inspection:
         fold_dtype=manifest.fold_dtype,
         fold_bytes=fold_bytes,
         extra_bytes_per_gpu={tp: fold_bytes // tp for tp in manifest.tp_sizes},
+        layers=layers,
+        sidecars={name: record.size for name, record in manifest.sidecars.items()},
+        source=manifest.source or origin.to_dict(),
     )

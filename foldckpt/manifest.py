@@ -100,6 +100,8 @@ class Manifest:
     sidecars: dict[str, FileRecord]
     source_files: dict[str, FileRecord]
     parameters: dict[str, Any] = field(default_factory=dict)
+    # For a model converted by Hugging Face id: {"repo_id", "revision" (as asked), "commit"}.
+    source: dict[str, Any] | None = None
     tool_version: str = __version__
     format_version: int = FORMAT_VERSION
 
@@ -117,10 +119,12 @@ class Manifest:
         return sum(record.size for record in self.sidecars.values())
 
     def to_dict(self) -> dict[str, Any]:
+        source = {"source": self.source} if self.source is not None else {}
         return {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
             "tool_version": self.tool_version,
+            **source,
             "geometry": self.geometry.to_dict(),
             "fold": {
                 "formula": FORMULA,
@@ -150,6 +154,7 @@ class Manifest:
                 n: FileRecord(int(r["size"]), str(r["sha256"])) for n, r in data["source_files"].items()
             },
             parameters=dict(data.get("parameters", {})),
+            source=dict(data["source"]) if data.get("source") is not None else None,
             tool_version=str(data["tool_version"]),
             format_version=int(data["format_version"]),
         )

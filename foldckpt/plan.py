@@ -9,21 +9,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from foldckpt import __version__
 from foldckpt.checkpoint import SourceCheckpoint, list_files_to_place, open_source_checkpoint
 from foldckpt.errors import FoldckptError
 from foldckpt.geometry import Geometry, MLALayer, read_geometry
-from foldckpt.safetensors_format import SAFETENSORS_DTYPES, TensorInfo, TensorSpec, file_size_for
+from foldckpt.safetensors_format import TensorInfo, TensorSpec, file_size_for
 
-FOLD_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
+# ``--fold-dtype`` choices and the safetensors dtype each is stored as. Planning needs no torch;
+# ``FOLD_DTYPES`` (name -> torch dtype) is built on first access.
+FOLD_DTYPE_NAMES: dict[str, str] = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 SIDECAR_PREFIX = "foldckpt-"
+DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 SIDECAR_METADATA = {"format": "pt", "producer": f"foldckpt {__version__}"}
 _DIRECT_DTYPES = ("BF16", "F16", "F32")
 _FP8_DTYPE = "F8_E4M3"
@@ -93,6 +91,15 @@ class ConversionPlan:
         return {tp: self.fold_bytes // tp for tp in self.tp_sizes}
 
 
+def __getattr__(name: str) -> Any:
+    """``FOLD_DTYPES``: ``--fold-dtype`` name -> torch dtype, without importing torch up front."""
+    if name == "FOLD_DTYPES":
+        import torch
+
+        return {dtype: getattr(torch, dtype) for dtype in FOLD_DTYPE_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def sidecar_name(number: int, total: int) -> str:
     return f"{SIDECAR_PREFIX}{number:05d}-of-{total:05d}.safetensors"
 
@@ -155,7 +162,9 @@ def resolve_tp_sizes(geometry: Geometry, tp_sizes: tuple[int, ...] | None) -> tu
     if not tp_sizes:
         return geometry.valid_tp_sizes()
     for tp in tp_sizes:
-        if tp <= 0 or geometry.num_heads % tp:
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
+            raise FoldckptError(f"--tp {tp}: not a tensor-parallel size; give positive integers such as --tp 1,2,4,8")
+        if geometry.num_heads % tp:
             raise FoldckptError(
                 f"--tp {tp}: does not divide the model's {geometry.num_heads} attention heads"
             )
@@ -165,7 +174,7 @@ def resolve_tp_sizes(geometry: Geometry, tp_sizes: tuple[int, ...] | None) -> tu
 def plan_conversion(
     model_dir: Path,
     fold_dtype: str = "bfloat16",
-    max_shard_size: int = 5 * 1024**3,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     tp_sizes: tuple[int, ...] | None = None,
     external_links: bool = False,
 ) -> ConversionPlan:
@@ -174,15 +183,17 @@ def plan_conversion(
     ``external_links`` is for re-planning a ``--link symlink`` output in ``verify --deep``.
     """
     model_dir = Path(model_dir)
-    if fold_dtype not in FOLD_DTYPES:
-        raise FoldckptError(f"--fold-dtype {fold_dtype!r}: choose one of {', '.join(FOLD_DTYPES)}")
+    if fold_dtype not in FOLD_DTYPE_NAMES:
+        raise FoldckptError(f"--fold-dtype {fold_dtype!r}: choose one of {', '.join(FOLD_DTYPE_NAMES)}")
     if max_shard_size <= 0:
         raise FoldckptError("--max-shard-size must be positive")
+    if not model_dir.is_dir():  # before config.json: a missing directory is not a missing config
+        raise FoldckptError(f"{model_dir}: not a directory" if model_dir.exists() else f"{model_dir}: no such directory")
     geometry = read_geometry(model_dir)
     source = open_source_checkpoint(model_dir, external_links)
     if any(name.startswith(SIDECAR_PREFIX) for name in source.headers):
         raise FoldckptError(f"{model_dir}: already holds foldckpt sidecars; convert the original model")
-    out_dtype = SAFETENSORS_DTYPES[FOLD_DTYPES[fold_dtype]]
+    out_dtype = FOLD_DTYPE_NAMES[fold_dtype]
     layers = [
         LayerPlan(
             layer=layer,

@@ -38,23 +38,21 @@ import os
 import string
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
-import torch
-from tqdm import tqdm
-
 from foldckpt.checkpoint import INDEX_NAME, SourceCheckpoint, open_source_checkpoint
 from foldckpt.errors import FoldckptError
-from foldckpt.files import HASH_BUFFER, os_error, sha256_file
-from foldckpt.fold import ROUNDING_TOLERANCE, fold_error, fold_layer, probe_error, sample_heads
+from foldckpt.files import HASH_BUFFER, os_error, sha256_file, worker_pool
 from foldckpt.geometry import read_geometry
-from foldckpt.layer import load_layer_inputs
 from foldckpt.manifest import MANIFEST_NAME, Manifest, read_manifest
-from foldckpt.plan import FOLD_DTYPES, SIDECAR_PREFIX, plan_conversion
+from foldckpt.plan import SIDECAR_PREFIX
+from foldckpt.progress import progress_bar
 from foldckpt.safetensors_format import read_header, read_tensor, read_tensor_bytes
+
+# torch (and the fold math) is imported by the deep level only: the cheaper levels read headers
+# and hash bytes, and start in a fraction of the time torch takes to import.
 
 LEVELS = ("manifest", "structure", "content", "deep")
 _HEX = frozenset(string.hexdigits.lower())
@@ -109,6 +107,7 @@ class LevelResult:
 class VerifyReport:
     out_dir: Path
     levels: tuple[LevelResult, ...] = field(default_factory=tuple)
+    elapsed_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -119,7 +118,12 @@ class VerifyReport:
         return tuple(problem for level in self.levels for problem in level.problems)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"out_dir": str(self.out_dir), "ok": self.ok, "levels": [lv.to_dict() for lv in self.levels]}
+        return {
+            "out_dir": str(self.out_dir),
+            "ok": self.ok,
+            "levels": [lv.to_dict() for lv in self.levels],
+            "elapsed_s": round(self.elapsed_s, 6),
+        }
 
 
 def _level(name: str, problems: list[Problem], summary: str, bytes_read: int = 0) -> LevelResult:
@@ -565,8 +569,8 @@ def check_content(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> 
     workers = options.workers or default_workers(_all_cached([out_dir / job.name for job in ordered]))
     workers = max(1, min(workers, len(ordered)))
     with (
-        tqdm(total=total, unit="B", unit_scale=True, desc="sha256", disable=not options.progress) as bar,
-        ThreadPoolExecutor(max_workers=workers) as pool,
+        progress_bar(total, "sha256", "B", options.progress) as bar,
+        worker_pool(workers) as pool,
     ):
         futures = {job.name: pool.submit(_hash_job, out_dir / job.name, job, bar.update) for job in ordered}
         digests = {name: future.result() for name, future in futures.items()}
@@ -589,10 +593,18 @@ def _sample_layers(count: int, sample: int | None) -> list[int]:
         return list(range(count))
     if sample == 1:
         return [count - 1]
+    from foldckpt.fold import sample_heads
+
     return list(sample_heads(count, sample))
 
 
 def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> LevelResult:
+    import torch
+
+    from foldckpt.fold import ROUNDING_TOLERANCE, fold_error, fold_layer, probe_error
+    from foldckpt.layer import load_layer_inputs
+    from foldckpt.plan import FOLD_DTYPES, plan_conversion
+
     plan = plan_conversion(
         out_dir, manifest.fold_dtype, int(manifest.parameters.get("max_shard_size", 5 * 1024**3)), manifest.tp_sizes,
         external_links=True,
@@ -623,7 +635,9 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
     bitwise, worst_error, worst_probe = 0, 0.0, 0.0
     chosen = [plan.layers[i] for i in _sample_layers(len(plan.layers), options.sample)]
     heads = tuple(range(geometry.num_heads))
-    for layer in tqdm(chosen, unit="layer", desc="recomputing", disable=not options.progress):
+    bar = progress_bar(len(chosen), "recomputing", "layer", options.progress)
+    for layer in chosen:
+        bar.update(1)
         record = manifest.tensors.get(layer.output.name)
         if record is None:
             problems.append(Problem(MANIFEST_NAME, f"no fold recorded for MLA layer {layer.layer.index}", layer.output.name))
@@ -658,6 +672,7 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
                 record.file, f"'{record.name}' is not the fold of its sources (relative error vs fp64 {error:.2e}, "
                 f"probe x·W_foldᵀ vs two-step query {probe:.2e}, tolerance {tolerance:.1e})", record.name,
             ))  # fmt: skip
+    bar.close()
     summary = (
         f"{rank_hashes} per-rank hashes match; {len(chosen)}/{len(plan.layers)} layer(s) recomputed: {bitwise} bitwise identical, "
         f"{len(chosen) - bitwise} within {tolerance:.1e} of fp64 (worst {worst_error:.1e}); "
@@ -684,6 +699,7 @@ def verify(out_dir: Path, options: VerifyOptions = VerifyOptions()) -> VerifyRep
     """Run the verification levels up to ``options.level``; raises FoldckptError if unusable."""
     if options.level not in LEVELS:
         raise FoldckptError(f"unknown verification level {options.level!r}; choose one of {', '.join(LEVELS)}")
+    begun = time.perf_counter()
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise FoldckptError(f"{out_dir}: not a directory" if out_dir.exists() else f"{out_dir}: no such directory")
@@ -704,4 +720,4 @@ def verify(out_dir: Path, options: VerifyOptions = VerifyOptions()) -> VerifyRep
         results.append(dataclasses.replace(result, elapsed_s=time.perf_counter() - started))
         if not result.ok:
             break
-    return VerifyReport(out_dir, tuple(results))
+    return VerifyReport(out_dir, tuple(results), time.perf_counter() - begun)

@@ -5,14 +5,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
-FOLDCKPT=".venv/bin/foldckpt"
+VENV="${FOLDCKPT_VENV:-.venv}"
+FOLDCKPT="$VENV/bin/foldckpt"
 WORK="${DEMO_DIR:-.work/demo}"
 rm -rf "$WORK"
 MODEL="$WORK/kimi-k3-tiny"
 OUT="$WORK/kimi-k3-tiny-folded"
 step() { printf '\n\033[1m== %s\033[0m\n$ %s\n' "$1" "${*:2}"; "${@:2}"; }
 
-step "1. a synthetic Kimi-K3 checkpoint" .venv/bin/python scripts/make_tiny_checkpoint.py --family kimi_k3 "$MODEL"
+step "1. a synthetic Kimi-K3 checkpoint" "$VENV/bin/python" scripts/make_tiny_checkpoint.py --family kimi_k3 "$MODEL"
 step "2. plan from headers only (nothing written)" "$FOLDCKPT" convert "$MODEL" "$OUT" --dry-run
 step "3. convert" "$FOLDCKPT" convert "$MODEL" "$OUT" --quiet
 step "4. convert again: idempotent" "$FOLDCKPT" convert "$MODEL" "$OUT" --quiet

