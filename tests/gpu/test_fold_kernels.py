@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from foldckpt.runtime.kernels import dispatch, tuning
 from foldckpt.runtime.kernels import (
     QueryRope,
     fold_gemm,
@@ -29,7 +30,9 @@ from foldckpt.runtime.kernels.tuning import (
     KernelConfig,
     SkinnyConfig,
     load_table,
+    parse_table,
     q_b_proj_bucket,
+    skinny_config,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -250,24 +253,198 @@ def test_fold_gemm_dispatch_strided_views(cuda: torch.device, gen: torch.Generat
         assert relerr(fold_gemm(x, w), x, w) < MAX_RELERR
 
 
+def record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, KernelConfig | SkinnyConfig]]:
+    """Every tiled ("tiled", cfg) and skinny ("skinny", cfg) Triton fold launch from now on."""
+    triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
+    launches: list[tuple[str, KernelConfig | SkinnyConfig]] = []
+    tiled, skinny = triton_gemm.launch_fold_gemm, triton_gemm.launch_skinny_gemm
+
+    def launch_tiled(x, w, y, cfg, rope=None):  # noqa: ANN001, ANN202 - mirrors the real signature
+        launches.append(("tiled", cfg))
+        tiled(x, w, y, cfg, rope)
+
+    def launch_skinny(x, w, y, cfg):  # noqa: ANN001, ANN202
+        launches.append(("skinny", cfg))
+        skinny(x, w, y, cfg)
+
+    monkeypatch.setattr(triton_gemm, "launch_fold_gemm", launch_tiled)
+    monkeypatch.setattr(triton_gemm, "launch_skinny_gemm", launch_skinny)
+    return launches
+
+
 def test_dispatch_uses_triton_where_the_table_says(
     cuda: torch.device, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The shipped table's backend per bucket, at both ends of every bucket: the tiled kernel with
+    the bucket's config, the skinny kernel with the [[skinny]] fold config of that M, or none."""
     table = load_table(gpu_key(cuda))
     if table is None:
         pytest.skip(f"no tuning table for {gpu_key(cuda)}")
-    triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
-    launches: list[KernelConfig] = []
-    real = triton_gemm.launch_fold_gemm
-    monkeypatch.setattr(
-        triton_gemm, "launch_fold_gemm", lambda x, w, y, cfg, rope=None: (launches.append(cfg), real(x, w, y, cfg, rope))
-    )
+    launches = record_launches(monkeypatch)
+    skinny_buckets = 0
     for entry in table.shapes.values():
         w = torch.randn(entry.n, entry.k, device=cuda, generator=gen).bfloat16()
+        lo = 0
         for bucket in entry.buckets:
-            launches.clear()
-            fold_gemm(torch.randn(bucket.m_max, entry.k, device=cuda, generator=gen).bfloat16(), w)
-            assert launches == ([bucket.config] if bucket.backend == "triton" else []), (entry.n, bucket)
+            skinny_buckets += bucket.backend == "skinny"
+            for m in sorted({lo + 1, bucket.m_max}):
+                launches.clear()
+                x = torch.randn(m, entry.k, device=cuda, generator=gen).bfloat16()
+                y = fold_gemm(x, w)
+                expected = {
+                    "triton": [("tiled", bucket.config)],
+                    "skinny": [("skinny", skinny_config(table, "fold", entry.n, entry.k, m))],
+                    "torch": [],
+                }[bucket.backend]
+                assert launches == expected, (entry.n, m, bucket)
+                assert relerr(y, x, w) < MAX_RELERR, (entry.n, m, bucket.backend)
+            lo = bucket.m_max
+    if gpu_key(cuda) == "nvidia_h200":
+        assert skinny_buckets > 0, "the H200 table chose the skinny fold somewhere (Kimi-K3 at M=1)"
+
+
+# Skinny configs for every token tile (single and several rows, every block_k, PDL on and off),
+# routed by a synthetic table in the tests below, independent of what the tuner picked.
+SKINNY_TILES = (
+    SkinnyConfig(1, 4, 512, 1, pdl=True),
+    SkinnyConfig(2, 2, 256, 2),
+    SkinnyConfig(4, 4, 256, 4, pdl=True),
+    SkinnyConfig(8, 2, 128, 2),
+    SkinnyConfig(16, 1, 256, 1, pdl=True),
+)
+
+
+@pytest.fixture
+def skinny_table(cuda: torch.device, monkeypatch: pytest.MonkeyPatch) -> tuning.GpuTable:
+    """This GPU's table replaced by one whose Kimi-K3 fold shapes take the skinny kernel at every
+    M <= 16 (SKINNY_TILES) and torch above."""
+    tiled = {"block_m": 16, "block_n": 64, "block_k": 128, "split_k": 1, "num_warps": 4, "num_stages": 4,
+             "use_tma": False, "rows_per_program": 0, "pdl": True, "rope_epilogue": False}  # fmt: skip
+    doc = {
+        "meta": {"gpu": gpu_key(cuda)},
+        "shape": [
+            {"n": n, "k": K, "fold_max_tokens": 16,
+             "bucket": [{"m_max": 16, "backend": "skinny", **tiled},
+                        {"m_max": TRITON_MAX_M, "backend": "torch", **tiled}]}
+            for n in SHAPES[:3]
+        ],  # fmt: skip
+        "skinny": [
+            {"role": "fold", "n": n, "k": K, "m_max": c.block_m, "rows": c.rows, "block_k": c.block_k,
+             "num_warps": c.num_warps, "pdl": c.pdl}
+            for n in SHAPES[:3] for c in SKINNY_TILES
+        ],  # fmt: skip
+    }
+    table = parse_table(doc, "skinny test table")
+    real = tuning.load_table
+
+    def fake(gpu: str) -> tuning.GpuTable | None:
+        return table if gpu == gpu_key(cuda) else real(gpu)
+
+    monkeypatch.setattr(tuning, "load_table", fake)
+    monkeypatch.setattr(dispatch, "load_table", fake)
+    return table
+
+
+@pytest.mark.parametrize("n", SHAPES[:3])
+def test_skinny_fold_gemm_matches_fp64(
+    cuda: torch.device, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, skinny_table: tuning.GpuTable, n: int
+) -> None:
+    """fold_gemm through the skinny kernel at every M of 1..16 (odd M included), on a strided x row
+    view into a strided out view and into a fresh tensor, each launch with its tile's config."""
+    launches = record_launches(monkeypatch)
+    w = torch.randn(n, K, device=cuda, generator=gen).bfloat16()
+    for m in range(1, 17):
+        tile = next(c for c in SKINNY_TILES if m <= c.block_m)
+        fused = torch.randn(m, K + 576, device=cuda, generator=gen).bfloat16()
+        x = fused[:, :K]
+        out_buf = torch.full((m, n + 64), float("nan"), device=cuda, dtype=torch.bfloat16)
+        out = out_buf[:, 32 : 32 + n]
+        launches.clear()
+        assert fold_gemm(x, w, out=out).data_ptr() == out.data_ptr()
+        y = fold_gemm(x, w)
+        assert launches == [("skinny", tile)] * 2, (m, launches)
+        assert relerr(out, x, w) < MAX_RELERR, f"N={n} M={m} {tile}"
+        assert torch.equal(out, y), f"N={n} M={m}: out view and fresh output differ"
+        assert torch.isnan(out_buf[:, :32]).all() and torch.isnan(out_buf[:, 32 + n :]).all(), "wrote outside out"
+    launches.clear()
+    x = torch.randn(17, K, device=cuda, generator=gen).bfloat16()
+    assert torch.equal(fold_gemm(x, w), F.linear(x, w)) and launches == [], "M=17 is the torch bucket's"
+
+
+def test_skinny_fold_gemm_graph_capture_and_replay(
+    cuda: torch.device, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, skinny_table: tuning.GpuTable
+) -> None:
+    """warmup_fold_gemm compiles every skinny tile; a captured graph replays the skinny launches
+    (no torch fallback inside) on new inputs, equal to eager and to fp64."""
+    n = SHAPES[1]
+    w = torch.randn(n, K, device=cuda, generator=gen).bfloat16()
+    ms = (1, 2, 3, 5, 8, 11, 16)
+    warmup_fold_gemm(w, 16)
+    launches = record_launches(monkeypatch)
+    xs = [torch.randn(m, K, device=cuda, generator=gen).bfloat16() for m in ms]
+    ys = [torch.empty(m, n, device=cuda, dtype=torch.bfloat16) for m in ms]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for x, y in zip(xs, ys, strict=True):
+            fold_gemm(x, w, out=y)
+    assert [kind for kind, _ in launches] == ["skinny"] * len(ms), launches
+    for _ in range(2):
+        for x in xs:
+            x.copy_(torch.randn(x.shape, device=cuda, generator=gen).bfloat16())
+        for y in ys:
+            y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for x, y in zip(xs, ys, strict=True):
+            assert torch.equal(y, fold_gemm(x, w)), f"replay differs from eager at M={x.shape[0]}"
+            assert relerr(y, x, w) < MAX_RELERR
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
+def test_skinny_pdl_reads_the_x_its_predecessor_writes(cuda: torch.device, gen: torch.Generator, graphed: bool) -> None:
+    """As the tiled kernel's PDL test, for the skinny kernel launched with PDL."""
+    triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
+    cfg = SkinnyConfig(4, 4, 256, 4, pdl=True)
+    n, m, steps = SHAPES[1], 3, 12
+    w = torch.randn(n, K, device=cuda, generator=gen).bfloat16()
+    a = torch.randn(steps, m, 16384, device=cuda, generator=gen).bfloat16() / 128
+    b = torch.randn(16384, K, device=cuda, generator=gen).bfloat16()
+    x = torch.empty(m, K, device=cuda, dtype=torch.bfloat16)
+    ys = torch.full((steps, m, n), float("nan"), device=cuda, dtype=torch.bfloat16)
+
+    def run() -> None:
+        for i in range(steps):
+            torch.matmul(a[i], b, out=x)
+            triton_gemm.launch_skinny_gemm(x, w, ys[i], cfg)
+
+    run()
+    if graphed:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        ys.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    for i in range(steps):
+        assert relerr(ys[i], torch.matmul(a[i], b), w) < MAX_RELERR, f"step {i}: read another step's x"
+
+
+def test_fold_query_in_a_skinny_bucket(
+    cuda: torch.device, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, skinny_table: tuning.GpuTable
+) -> None:
+    """fold_query where the bucket is skinny: the skinny GEMM, then the standalone RoPE kernel."""
+    launches = record_launches(monkeypatch)
+    n = SHAPES[1]
+    w = torch.randn(n, K, device=cuda, generator=gen).bfloat16()
+    for m in (1, 3, 16):
+        x = torch.randn(m, K, device=cuda, generator=gen).bfloat16()
+        rope, k_ref = rope_case(cuda, gen, m)
+        launches.clear()
+        y = fold_query(x, w, rope)
+        assert [kind for kind, _ in launches] == ["skinny"], launches
+        check_query(y, x, w, rope, k_ref, f"skinny bucket M={m}")
 
 
 def test_cuda_graph_capture_and_replay(cuda: torch.device, gen: torch.Generator) -> None:
@@ -384,10 +561,10 @@ def test_fold_query_dispatch_every_m(cuda: torch.device, gen: torch.Generator, c
             assert (y2.double() - y.double()).norm() / y.double().norm() < 4e-3
 
 
-@pytest.mark.parametrize("m", [1, 8, 28, 56, 160])
+@pytest.mark.parametrize("m", [1, 2, 8, 28, 56, 160])
 def test_fold_query_launches_what_the_table_says(cuda: torch.device, gen: torch.Generator, m: int) -> None:
     """No k_pe copy, no extra kernels: one kernel where the bucket chose the RoPE epilogue, the
-    GEMM (whichever backend) and the RoPE kernel elsewhere."""
+    GEMM (whichever backend: tiled, skinny, cuBLAS) and the RoPE kernel elsewhere."""
     table = load_table(gpu_key(cuda))
     if table is None:
         pytest.skip(f"no tuning table for {gpu_key(cuda)}")
@@ -405,6 +582,7 @@ def test_fold_query_launches_what_the_table_says(cuda: torch.device, gen: torch.
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == (1 if fused else 2), kernels
     assert ("fold_gemm" in kernels[0]) == (bucket.backend == "triton"), kernels
+    assert ("skinny_gemm" in kernels[0]) == (bucket.backend == "skinny"), kernels
     if not fused:
         assert "rope_query" in kernels[1], kernels
 

@@ -3,11 +3,14 @@
 faster, else one more launch; no copies).
 
 Order: aiter's ``gemm_a16w16`` on ROCm when aiter imports (its skinny kernels are tuned by AMD);
-the project's Triton kernel on CUDA where this GPU's tuning table measured it faster than cuBLAS
-for (N, K, M bucket); ``torch`` (cuBLAS / the CPU GEMM) otherwise. Every decision reads only
-shapes, strides, dtypes and pointers, so there is no host sync and the call can be captured in a
-CUDA graph, once ``warmup_fold_gemm`` has compiled the kernels and reserved the split-K workspace.
-Triton and aiter are imported on first GPU use, never at import time (CI has neither).
+on CUDA the backend this GPU's tuning table chose for (N, K, M bucket): the project's tiled Triton
+kernel ("triton"), its skinny GEMV-style Triton kernel ("skinny", a few tokens only) or ``torch``
+(cuBLAS); ``torch`` (cuBLAS / the CPU GEMM) for every shape, GPU or dtype the table does not cover.
+Which backend wins is decided by the tuner from measurements (``tune.decide``) and read here
+through ``tuning.kernel_config_for`` alone. Every decision reads only shapes, strides, dtypes and
+pointers, so there is no host sync and the call can be captured in a CUDA graph, once
+``warmup_fold_gemm`` has compiled the kernels and reserved the split-K workspace. Triton and
+aiter are imported on first GPU use, never at import time (CI has neither).
 """
 
 from __future__ import annotations
@@ -22,7 +25,14 @@ import torch.nn.functional as F
 
 from foldckpt.runtime.kernels.device import gpu_key
 from foldckpt.runtime.kernels.rope import QueryRope, rope_query_torch
-from foldckpt.runtime.kernels.tuning import TRITON_MAX_M, KernelConfig, kernel_config_for, load_table
+from foldckpt.runtime.kernels.tuning import (
+    TRITON_MAX_M,
+    KernelConfig,
+    SkinnyConfig,
+    kernel_config_for,
+    load_table,
+    skinny_config,
+)
 
 __all__ = ["fold_gemm", "fold_query", "rope_query", "warmup_fold_gemm", "warmup_fold_query"]
 
@@ -70,8 +80,9 @@ def _rows_aligned(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and row_ok and t.data_ptr() % 16 == 0
 
 
-def _triton_config(x: torch.Tensor, weight: torch.Tensor) -> KernelConfig | None:
-    """The tuned Triton config for this call, or None when the kernel must not or cannot run."""
+def _triton_config(x: torch.Tensor, weight: torch.Tensor) -> KernelConfig | SkinnyConfig | None:
+    """The table's Triton kernel for this call (tiled: ``KernelConfig``, skinny: ``SkinnyConfig``),
+    or None when the table chose torch or no Triton kernel may run here."""
     if torch.version.hip is not None or x.dtype not in _TRITON_DTYPES or weight.dtype != x.dtype:
         return None
     m, k = x.shape
@@ -95,28 +106,39 @@ def _check_shapes(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
 
 
 def _run_triton(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, cfg: KernelConfig, rope: QueryRope | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None,
+    cfg: KernelConfig | SkinnyConfig,
+    rope: QueryRope | None = None,
 ) -> torch.Tensor | None:
-    """Launch the kernel; None when it cannot run here (missing Triton, unreserved workspace)."""
+    """Launch the tiled (``KernelConfig``, optionally with the RoPE epilogue) or the skinny kernel
+    (``SkinnyConfig``, never with RoPE); None when it cannot run here (missing Triton, unreserved
+    workspace)."""
     module = _triton_module()
     if module is None:
         return None
     m, n = x.shape[0], weight.shape[0]
-    partial_elems, counter_elems = module.workspace_needs(m, n, cfg)
-    if not module.workspace_ready(x.device, partial_elems, counter_elems):
-        if torch.cuda.is_current_stream_capturing():
-            warnings.warn(
-                "fold_gemm: captured before warmup_fold_gemm covered this batch size; "
-                "using torch for it. Call warmup_fold_gemm(weight, max_m) before graph capture.",
-                stacklevel=3,
-            )
-            return None
-        module.reserve_workspace(x.device, partial_elems, counter_elems)
+    skinny = isinstance(cfg, SkinnyConfig)
+    if not skinny:  # the skinny kernel needs no workspace
+        partial_elems, counter_elems = module.workspace_needs(m, n, cfg)
+        if not module.workspace_ready(x.device, partial_elems, counter_elems):
+            if torch.cuda.is_current_stream_capturing():
+                warnings.warn(
+                    "fold_gemm: captured before warmup_fold_gemm covered this batch size; "
+                    "using torch for it. Call warmup_fold_gemm(weight, max_m) before graph capture.",
+                    stacklevel=3,
+                )
+                return None
+            module.reserve_workspace(x.device, partial_elems, counter_elems)
     target = out if out is not None and out.dtype == x.dtype and _rows_aligned(out) else None
     if target is None:
         target = torch.empty((m, n), dtype=x.dtype, device=x.device)
     with torch.cuda.device(x.device):
-        module.launch_fold_gemm(x, weight, target, cfg, rope)
+        if skinny:
+            module.launch_skinny_gemm(x, weight, target, cfg)
+        else:
+            module.launch_fold_gemm(x, weight, target, cfg, rope)
     if out is not None and target is not out:
         out.copy_(target)
         return out
@@ -161,15 +183,18 @@ def fold_query(x: torch.Tensor, weight: torch.Tensor, rope: QueryRope) -> torch.
     """The decode MQA query ``x · weightᵀ`` [M, N] with RoPE on the last R columns of every head,
     and the rotated key in ``rope.k_out`` (never a rotated copy of ``k_pe``).
 
-    One launch where the tuned Triton kernel serves this batch and its table entry measured the
-    RoPE epilogue faster (``rope_epilogue``); otherwise ``fold_gemm`` and then ``rope_query``.
-    vLLM's decode query takes three (q_b_proj, RoPE, W_UK bmm).
+    One launch where the table's bucket for this batch chose the tiled Triton kernel and measured
+    its RoPE epilogue faster (``rope_epilogue``); otherwise ``fold_gemm`` (whichever backend the
+    table chose: tiled, skinny or torch) and then ``rope_query``. vLLM's decode query takes three
+    (q_b_proj, RoPE, W_UK bmm).
     """
     _check_shapes(x, weight, None)
     rope.check(x.shape[0], weight.shape[0])
     if x.device.type == "cuda" and x.shape[0] > 0 and _aiter_gemm() is None:
         cfg = _triton_config(x, weight)
-        module = _triton_module() if cfg is not None and cfg.rope_epilogue else None
+        # The skinny kernel has no RoPE epilogue: its buckets take fold_gemm + rope_query below.
+        fused = isinstance(cfg, KernelConfig) and cfg.rope_epilogue
+        module = _triton_module() if fused else None
         if module is not None and module.rope_fits(weight.shape[0], cfg):
             y = _run_triton(x, weight, None, cfg, rope)
             if y is not None:
@@ -180,12 +205,21 @@ def fold_query(x: torch.Tensor, weight: torch.Tensor, rope: QueryRope) -> torch.
 
 
 def _warm_ms(weight: torch.Tensor, max_m: int) -> list[int]:
-    """One token count per tuned bucket up to ``max_m`` (each compiles one kernel), plus max_m."""
+    """One token count per tuned bucket up to ``max_m`` (each compiles one kernel), plus max_m;
+    in a skinny bucket one per skinny token tile inside it (each tile is its own compile)."""
     ms = {max_m}
     table = load_table(gpu_key(weight.device)) if torch.version.hip is None else None
     entry = table.shapes.get(tuple(weight.shape)) if table is not None else None
     if entry is not None:
         ms.update(min(b.m_max, max_m) for b in entry.buckets)
+        lo = 0
+        for bucket in entry.buckets:
+            if bucket.backend == "skinny":
+                first_m: dict[SkinnyConfig | None, int] = {}
+                for m in range(lo + 1, bucket.m_max + 1):
+                    first_m.setdefault(skinny_config(table, "fold", entry.n, entry.k, m), m)
+                ms.update(min(m, max_m) for m in first_m.values())
+            lo = bucket.m_max
     elif torch.version.hip is not None:
         # aiter buckets its configs by M at these bounds (see VLLM_NOTES.md).
         ms.update(min(b, max_m) for b in (8, 16, 32, 64, 128, 256, 512, 2048))
@@ -205,7 +239,7 @@ def warmup_fold_gemm(weight: torch.Tensor, max_m: int) -> None:
     for m in _warm_ms(weight, max_m):
         x = torch.randn((m, weight.shape[1]), dtype=weight.dtype, device=weight.device)
         cfg = _triton_config(x, weight)
-        if cfg is not None and module is not None:
+        if isinstance(cfg, KernelConfig) and module is not None:
             module.reserve_workspace(weight.device, *module.workspace_needs(m, weight.shape[0], cfg))
         fold_gemm(x, weight)
         # The torch path serves buckets the table gave to cuBLAS and any fallback: warm it too.

@@ -319,8 +319,10 @@ def launch_fold_gemm(
 # plain vector loads, so that many small programs keep many loads in flight per SM (no shared
 # memory, no pipeline prologue). What vLLM's own H200 skinny kernels for q_b_proj do at M <= 16
 # (CuTe DSL at M=1-2, dsv3_fused_a at M=3-8), which need vLLM; the tuner and the decode benchmark
-# use it for the unfolded baseline, and time it on the fold for comparison. The dispatcher does
-# not route to it.
+# use it for the unfolded baseline. On the fold, ``fold_gemm`` launches it in the M buckets where
+# the tuner measured it faster than the bucket's tiled/torch backend (backend = "skinny"; on the
+# H200 Kimi-K3 TP8 at M = 1 and TP16 at M = 1-2). Without MMA its arithmetic on the CUDA
+# cores grows with M, so it loses to the tiled kernel from a few tokens on.
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
 def _skinny_gemm_kernel(
     x_ptr,

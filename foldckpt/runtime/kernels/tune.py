@@ -10,11 +10,15 @@
    (sm_90+), and with the decode RoPE in its epilogue or in the standalone RoPE kernel after it.
    The same search runs for the deployment's q_b_proj GEMM ([heads*(P+R), K], 1/3 of the fold's
    rows), so that the unfolded baseline gets the best q_b_proj kernel we have, not only cuBLAS.
+   The skinny (GEMV-style) kernel is searched per token tile (M = 1, 2, 4, 8, 16) for both weights.
 2. Grid: at M from 1 to 1024, time the unfolded path (q_b_proj GEMM + W_UK bmm, no RoPE) with
-   cuBLAS and with the Triton q_b_proj kernel, the fold with torch and the fold with the bucket's
-   best Triton config. Per bucket keep the faster fold backend (and q_b_proj backend); the
-   unfolded baseline at each M is the faster of its two q_b_proj kernels, and ``fold_max_tokens``
-   is the largest M up to which the fold never lost to it (0: the fold never wins there).
+   cuBLAS and with the tiled and the skinny Triton q_b_proj kernels, the fold with torch, with the
+   bucket's best tiled Triton config and (M <= 16) with the skinny kernel. ``decide``: per bucket
+   keep the faster fold backend of tiled Triton and torch (and q_b_proj backend); then split the
+   M <= 16 bucket at the skinny tiles where the skinny fold was faster than that backend
+   (backend = "skinny" there, which ``fold_gemm`` follows); the unfolded baseline at each M is
+   the fastest of its q_b_proj kernels, and ``fold_max_tokens`` is the crossover against it (see
+   ``decide``; 0: the fold never wins there).
 Writes ``tune_<gpu>.json`` (every measurement) and ``<gpu>.toml`` into DIR; copy the TOML into
 ``configs/`` to ship it. With ``--heads`` a subset of the shapes is retuned and the others are
 kept as they are in ``--base`` (default: the shipped table; ``--base-json`` carries their
@@ -29,6 +33,7 @@ import json
 import multiprocessing
 import platform
 import random
+import statistics
 import sys
 import time
 import tomllib
@@ -65,6 +70,11 @@ SPLITS = (1, 2)
 Q_B_PROJ_SPLITS = (1, 2, 4)
 LAYER_COPIES = 16
 CALLS_PER_GRAPH = 32
+# Each grid point is timed in this many rounds, each with fresh graph captures, and every variant
+# keeps its median round: one capture's placement moved a launch-bound M=1 point by up to 0.9 µs
+# (12%) between two H200 runs, more than the routing tolerance, and the crossover breaks at the
+# first point where the fold loses.
+GRID_ROUNDS = 3
 # What is searched: the fold GEMM W_fold [n*(L+R), K] or vLLM's q_b_proj [n*(P+R), K].
 ROLES = ("fold", "q_b_proj")
 # The routing target: routed within 0.97x of the faster path at every M (see ``decide``).
@@ -282,8 +292,8 @@ class ShapeBench:
         skinny: dict[str, SkinnyConfig] | None = None,
     ) -> dict[str, float | str | None]:
         """Unfolded (cuBLAS and, given configs, Triton and skinny q_b_proj), torch fold and (given
-        configs) Triton and skinny fold at ``m``, timed interleaved. A config with a wrong result
-        times as inf. The skinny fold is a measurement only (the dispatcher has no skinny path)."""
+        configs) Triton and skinny fold at ``m``, timed interleaved, the median of GRID_ROUNDS
+        rounds of fresh captures. A config with a wrong result times as inf. ``decide`` picks the fold's skinny sub-buckets from ``skinny_us``."""
         from foldckpt.runtime.kernels import triton_gemm
 
         x = random_x(m)
@@ -317,7 +327,8 @@ class ShapeBench:
             "unfolded_skinny_us": float("inf") if sk_qb is not None else None,
             "skinny_us": float("inf") if sk_fold is not None else None,
         }
-        times.update(time_graphs_us(variants))
+        rounds = [time_graphs_us(variants) for _ in range(GRID_ROUNDS)]
+        times.update({name: statistics.median(r[name] for r in rounds) for name in variants})
         unfolded = {
             "cublas": times["unfolded_cublas_us"],
             "triton": times["unfolded_triton_us"],
@@ -496,9 +507,50 @@ def grid(
     return rows
 
 
+def fold_us(row: dict, backend: str) -> float:
+    """The fold's time at a grid row on ``backend`` ("triton", "torch" or "skinny")."""
+    return row[f"{backend}_us"]
+
+
+def skinny_split(rows: list[dict], backends: dict[int, str]) -> dict[int, str]:
+    """``backends`` (per BUCKETS) with the first bucket split at the skinny kernel's token tiles:
+    a tile (previous tile, tile] gets backend "skinny" where the skinny fold, summed over the grid
+    points inside it, was faster than that bucket's backend; tiles in between keep the bucket's
+    backend, adjacent tiles with the same backend merge, and above the last skinny tile the
+    bucket stays as it was. Ascending m_max; unchanged where the skinny kernel never wins."""
+    first = BUCKETS[0]
+    assert SKINNY_BLOCK_MS[-1] <= first, "skinny tiles must lie inside the first bucket"
+    base = backends[first]
+    wins, lo = {}, 0
+    for tile in SKINNY_BLOCK_MS:
+        inside = [r for r in rows if lo < r["m"] <= tile]
+        lo = tile
+        skinny = [r.get("skinny_us") for r in inside]
+        wins[tile] = bool(inside) and None not in skinny and sum(skinny) < sum(fold_us(r, base) for r in inside)
+    top = max((tile for tile, won in wins.items() if won), default=0)
+    split: dict[int, str] = {}
+    for tile in (t for t in SKINNY_BLOCK_MS if t <= top):
+        backend = "skinny" if wins[tile] else base
+        if split and split[next(reversed(split))] == backend:
+            del split[next(reversed(split))]
+        split[tile] = backend
+    # The last split tile is a skinny one, so the bucket's own backend resumes above it.
+    split.update((b, backends[b]) for b in BUCKETS if b > top)
+    return split
+
+
+def backend_at(backends: dict[int, str], m: int) -> str:
+    """The fold backend of the bucket holding ``m`` (ascending keys); torch above the last."""
+    return next((backend for m_max, backend in backends.items() if m <= m_max), "torch")
+
+
 def decide(rows: list[dict], tolerance: float = ROUTE_TOLERANCE) -> tuple[dict[int, str], dict[int, str], int]:
-    """Per-bucket fold backend and q_b_proj backend (each the faster in sum over the bucket's grid
-    points), and the crossover ``fold_max_tokens``.
+    """Fold backend per bucket, q_b_proj backend per bucket, and the crossover ``fold_max_tokens``.
+
+    Fold: per BUCKETS bucket the faster of the tiled Triton kernel and torch in sum over the
+    bucket's grid points, then ``skinny_split`` (the M <= 16 bucket split where the skinny kernel
+    was faster than that): ascending m_max -> "triton" / "torch" / "skinny", the table's
+    [[shape.bucket]] list. q_b_proj: per BUCKETS bucket the faster of tiled Triton and cuBLAS.
 
     The crossover is the largest grid M such that up to it the fold (on its bucket's backend) is
     never slower than ``unfolded / tolerance`` (the unfolded path on the fastest of its q_b_proj
@@ -520,10 +572,10 @@ def decide(rows: list[dict], tolerance: float = ROUTE_TOLERANCE) -> tuple[dict[i
             if None not in qb_triton and sum(qb_triton) < sum(r["unfolded_cublas_us"] for r in inside)
             else "torch"
         )
+    backends = skinny_split(rows, backends)
     crossover, fold_sum, unfolded_sum = 0, 0.0, 0.0
     for r in rows:
-        bucket = bucket_of(r["m"])
-        fold = r["triton_us"] if bucket is not None and backends[bucket] == "triton" else r["torch_us"]
+        fold = fold_us(r, backend_at(backends, r["m"]))
         if fold * tolerance > r["unfolded_us"]:
             break
         fold_sum += fold
@@ -531,6 +583,25 @@ def decide(rows: list[dict], tolerance: float = ROUTE_TOLERANCE) -> tuple[dict[i
         if fold_sum < unfolded_sum:
             crossover = r["m"]
     return backends, qb_backends, crossover
+
+
+def table_buckets(backends: dict[int, str], tiled: dict[int, dict], rows: list[dict]) -> list[dict]:
+    """The [[shape.bucket]] records for ``decide``'s fold ``backends``: each carries the tiled
+    Triton config of the BUCKETS bucket holding it (``tiled``: m_max -> record with the config
+    and the search's triton_us), the measurements behind its choice and, where skinny, skinny_us.
+    A skinny sub-bucket's triton_us / torch_us are the grid's at its m_max."""
+    records = []
+    for m_max, backend in backends.items():
+        at = next(r for r in rows if r["m"] == m_max)
+        src = tiled[bucket_of(m_max)]
+        record = {"m_max": m_max, "backend": backend}
+        record.update((k, v) for k, v in src.items() if k not in ("m_max", "backend", "skinny_us"))
+        if m_max not in BUCKETS:
+            record.update(triton_us=at["triton_us"], torch_us=at["torch_us"])
+        if backend == "skinny":
+            record["skinny_us"] = at["skinny_us"]
+        records.append(record)
+    return records
 
 
 def redecide(base_path: Path, json_path: Path, out: Path, tolerance: float) -> int:
@@ -547,9 +618,14 @@ def redecide(base_path: Path, json_path: Path, out: Path, tolerance: float) -> i
         if not rows:
             continue
         backends, qb_backends, crossover = decide(rows, tolerance)
-        print(f"N={shape['n']}: fold_max_tokens {shape['fold_max_tokens']} -> {crossover} (tolerance {tolerance})")
+        print(
+            f"N={shape['n']}: fold_max_tokens {shape['fold_max_tokens']} -> {crossover} (tolerance {tolerance}); "
+            f"fold backends {backends}"
+        )
         shape["fold_max_tokens"] = crossover
-        shape["bucket"] = [{**b, "backend": backends[b["m_max"]]} for b in shape["bucket"]]
+        # Sub-buckets of an earlier decision are rebuilt from the BUCKETS buckets they split.
+        tiled = {b["m_max"]: b for b in shape["bucket"] if b["m_max"] in BUCKETS}
+        shape["bucket"] = table_buckets(backends, tiled, rows)
         for q in q_b_projs:
             if q.get("heads") == shape.get("heads"):
                 q["bucket"] = [{**b, "backend": qb_backends[b["m_max"]]} for b in q["bucket"]]
@@ -702,13 +778,11 @@ def main(argv: list[str] | None = None) -> int:
         shape_rows = grid(bench, best, qb_best, skinny_best)
         rows += shape_rows
         backends, qb_backends, crossover = decide(shape_rows, args.tolerance)
-        buckets, qb_buckets = [], []
+        tiled, qb_buckets = {}, []
         for m_max in BUCKETS:
             at = next(r for r in shape_rows if r["m"] == m_max)
             cfg, us = best[m_max]
-            buckets.append(
-                {"m_max": m_max, "backend": backends[m_max], **asdict(cfg), "triton_us": us, "torch_us": at["torch_us"]}
-            )
+            tiled[m_max] = {"m_max": m_max, **asdict(cfg), "triton_us": us, "torch_us": at["torch_us"]}
             cfg, us = qb_best[m_max]
             qb_buckets.append(
                 {"m_max": m_max, "backend": qb_backends[m_max], **asdict(cfg), "triton_us": us,
@@ -720,6 +794,7 @@ def main(argv: list[str] | None = None) -> int:
                     {"role": role, "n": bench.weights(role).n, "k": K, "m_max": block_m, "rows": cfg.rows,
                      "block_k": cfg.block_k, "num_warps": cfg.num_warps, "pdl": cfg.pdl, "us": us}
                 )  # fmt: skip
+        buckets = table_buckets(backends, tiled, shape_rows)
         shapes.append({"n": bench.n, "k": K, "fold_max_tokens": crossover, "heads": heads, "bucket": buckets})
         q_b_projs.append({"n": bench.qb.n, "k": K, "heads": heads, "bucket": qb_buckets})
         print(
@@ -741,6 +816,7 @@ def main(argv: list[str] | None = None) -> int:
         "baseline": "unfolded = fastest of cuBLAS, the Triton and the skinny q_b_proj kernel, + W_UK bmm, no RoPE",
         "tuned_heads": ",".join(str(h) for h in args.heads),
         "route_tolerance": args.tolerance,
+        "grid_rounds": GRID_ROUNDS,
     }
     if kept_shapes or kept_qbs:
         # Shapes kept over several partial runs keep the date they were measured on.

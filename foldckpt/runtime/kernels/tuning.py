@@ -12,8 +12,12 @@ measurements, never by hand-picked numbers. Layout::
     fold_max_tokens = 256       measured crossover against the best unfolded path (``tune.decide``)
     [[shape.bucket]]            token buckets, ascending m_max, covering 1..TRITON_MAX_M
     m_max = 16
-    backend = "triton"          which fold GEMM won at this bucket: "triton" or "torch"
-    block_m = 16                the best Triton config (kept even when torch won, for tests/bench)
+    backend = "triton"          which fold GEMM won at this bucket: "triton" (the tiled kernel),
+                                "torch" or "skinny" (the skinny kernel with this (n, k)'s
+                                [[skinny]] role="fold" config per M; only where m_max <= the
+                                largest such config's m_max, so only the M <= 16 sub-buckets)
+    block_m = 16                the best tiled Triton config (kept when torch or skinny won, for
+                                tests/bench; a skinny sub-bucket carries its M<=16 bucket's)
     block_n = 64
     block_k = 128
     split_k = 1
@@ -29,13 +33,13 @@ measurements, never by hand-picked numbers. Layout::
     n = 2304                    tuned deployment (n = heads * (P + R) rows), buckets as above,
     k = 1536                    backend = the q_b_proj kernel that won against cuBLAS there. The
     heads = 12                  tuner and the benchmark use it for the unfolded baseline; the
-    [[q_b_proj.bucket]]         dispatcher never does (``kernel_config_for`` reads [[shape]] only).
-    ...
+    [[q_b_proj.bucket]]         dispatcher never does (``kernel_config_for`` reads [[shape]] only);
+    ...                         its buckets' backend is "triton" or "torch".
     [[skinny]]                  optional: the skinny (GEMV-style, no MMA) kernel's best config per
-    role = "q_b_proj"           token count up to m_max <= 16, for a q_b_proj ("q_b_proj") or fold
-    n = 2304                    ("fold") weight: the unfolded baseline's stand-in for vLLM's own
-    k = 1536                    skinny q_b_proj kernels, and for the fold a measurement only (the
-    m_max = 1                   dispatcher has no skinny path).
+    role = "q_b_proj"           token tile up to m_max <= 16 (it serves M in (previous m_max, m_max]),
+    n = 2304                    for a q_b_proj ("q_b_proj") or fold ("fold") weight: the unfolded
+    k = 1536                    baseline's stand-in for vLLM's own skinny q_b_proj kernels, and for
+    m_max = 1                   the fold what a backend = "skinny" bucket of [[shape]] launches.
     rows = 4
     block_k = 256
     num_warps = 4
@@ -62,6 +66,7 @@ from foldckpt.runtime.kernels.device import gpu_key
 __all__ = [
     "CPU_FOLD_MAX_TOKENS",
     "ENV_FOLD_MAX_TOKENS",
+    "SKINNY_MAX_M",
     "TRITON_MAX_M",
     "UNKNOWN_GPU_FOLD_MAX_TOKENS",
     "Bucket",
@@ -87,6 +92,8 @@ CPU_FOLD_MAX_TOKENS = 256
 UNKNOWN_GPU_FOLD_MAX_TOKENS = 64
 # Largest token count the Triton kernel is tuned for; above it the fold uses torch.
 TRITON_MAX_M = 256
+# Largest token tile of the skinny kernel (no MMA: its work grows with M, so it only pays at a few tokens).
+SKINNY_MAX_M = 16
 
 _KERNEL_KEYS = (
     "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "use_tma", "rows_per_program", "pdl",
@@ -142,10 +149,13 @@ class SkinnyConfig:
 
 @dataclass(frozen=True)
 class Bucket:
-    """Token counts ``(previous m_max, m_max]`` and the GEMM backend that won there."""
+    """Token counts ``(previous m_max, m_max]`` and the GEMM backend that won there.
+
+    ``config`` is the tiled Triton kernel's best config, also where ``backend`` is "torch" or
+    "skinny" (the skinny kernel's configs are the table's [[skinny]] role="fold" entries)."""
 
     m_max: int
-    backend: Literal["triton", "torch"]
+    backend: Literal["triton", "torch", "skinny"]
     config: KernelConfig
 
 
@@ -194,11 +204,11 @@ def _require(table: Mapping[str, Any], key: str, kind: type | tuple[type, ...], 
     return value
 
 
-def _parse_bucket(raw: Mapping[str, Any], k: int, where: str) -> Bucket:
+def _parse_bucket(raw: Mapping[str, Any], k: int, where: str, backends: tuple[str, ...]) -> Bucket:
     m_max = _require(raw, "m_max", int, where)
     backend = _require(raw, "backend", str, where)
-    if backend not in ("triton", "torch"):
-        raise FoldckptError(f"{where}: backend {backend!r} is not 'triton' or 'torch'")
+    if backend not in backends:
+        raise FoldckptError(f"{where}: backend {backend!r} is not one of {', '.join(map(repr, backends))}")
     values = {key: _require(raw, key, bool if key in _BOOL_KEYS else int, where) for key in _KERNEL_KEYS}
     config = KernelConfig(**values)
     if not config.fits(k):
@@ -210,9 +220,12 @@ def _parse_bucket(raw: Mapping[str, Any], k: int, where: str) -> Bucket:
     return Bucket(m_max=m_max, backend=backend, config=config)
 
 
-def _parse_buckets(raw: Mapping[str, Any], k: int, where: str) -> tuple[Bucket, ...]:
+def _parse_buckets(
+    raw: Mapping[str, Any], k: int, where: str, backends: tuple[str, ...] = ("triton", "torch")
+) -> tuple[Bucket, ...]:
     buckets = tuple(
-        _parse_bucket(b, k, f"{where} bucket #{j}") for j, b in enumerate(_require(raw, "bucket", list, where))
+        _parse_bucket(b, k, f"{where} bucket #{j}", backends)
+        for j, b in enumerate(_require(raw, "bucket", list, where))
     )
     bounds = [b.m_max for b in buckets]
     if not buckets or bounds != sorted(set(bounds)):
@@ -225,15 +238,17 @@ def parse_table(data: Mapping[str, Any], source: str) -> GpuTable:
     meta = _require(data, "meta", dict, source)
     gpu = _require(meta, "gpu", str, f"{source} [meta]")
     shapes: dict[tuple[int, int], ShapeEntry] = {}
+    shape_where: dict[tuple[int, int], str] = {}
     for i, raw in enumerate(_require(data, "shape", list, source)):
         where = f"{source} [[shape]] #{i}"
         n = _require(raw, "n", int, where)
         k = _require(raw, "k", int, where)
         max_tokens = _require(raw, "fold_max_tokens", int, where)
-        buckets = _parse_buckets(raw, k, where)
+        buckets = _parse_buckets(raw, k, where, ("triton", "torch", "skinny"))
         if (n, k) in shapes:
             raise FoldckptError(f"{where}: shape n={n} k={k} appears twice")
         shapes[(n, k)] = ShapeEntry(n=n, k=k, fold_max_tokens=max_tokens, buckets=buckets)
+        shape_where[(n, k)] = where
     q_b_proj: dict[tuple[int, int], tuple[Bucket, ...]] = {}
     raw_q_b_proj = data.get("q_b_proj", [])
     if not isinstance(raw_q_b_proj, list):
@@ -262,10 +277,24 @@ def parse_table(data: Mapping[str, Any], source: str) -> GpuTable:
             num_warps=_require(raw, "num_warps", int, where),
             pdl=_require(raw, "pdl", bool, where),
         )
-        if not cfg.fits(k) or not 1 <= cfg.block_m <= 16:
-            raise FoldckptError(f"{where}: {cfg} does not fit k={k} or m_max is outside 1..16")
-        skinny.setdefault((role, _require(raw, "n", int, where), k), []).append(cfg)
+        if not cfg.fits(k) or not 1 <= cfg.block_m <= SKINNY_MAX_M:
+            raise FoldckptError(f"{where}: {cfg} does not fit k={k} or m_max is outside 1..{SKINNY_MAX_M}")
+        if any(v < 1 or v & (v - 1) for v in (cfg.block_m, cfg.rows, cfg.block_k, cfg.num_warps)):
+            raise FoldckptError(f"{where}: m_max, rows, block_k and num_warps must be powers of two, got {cfg}")
+        key = (role, _require(raw, "n", int, where), k)
+        if any(c.block_m == cfg.block_m for c in skinny.get(key, ())):
+            raise FoldckptError(f"{where}: role={role} n={key[1]} k={k} m_max={cfg.block_m} appears twice")
+        skinny.setdefault(key, []).append(cfg)
     skinny_sorted = {key: tuple(sorted(cfgs, key=lambda c: c.block_m)) for key, cfgs in skinny.items()}
+    for (n, k), entry in shapes.items():
+        # A skinny bucket launches the [[skinny]] fold config of each of its M: one must cover them all.
+        covered = max((c.block_m for c in skinny_sorted.get(("fold", n, k), ())), default=0)
+        for j, bucket in enumerate(entry.buckets):
+            if bucket.backend == "skinny" and bucket.m_max > covered:
+                raise FoldckptError(
+                    f"{shape_where[(n, k)]} bucket #{j}: backend 'skinny' up to m_max={bucket.m_max}, but the "
+                    f"[[skinny]] role='fold' configs for n={n} k={k} cover M <= {covered} only"
+                )
     return GpuTable(gpu=gpu, meta=meta, shapes=shapes, q_b_proj=q_b_proj, skinny=skinny_sorted)
 
 
@@ -285,11 +314,19 @@ def load_table(gpu: str) -> GpuTable | None:
     return table
 
 
-def kernel_config_for(gpu: str, n: int, k: int, m: int) -> KernelConfig | None:
-    """The Triton config to use for an ``m`` x ``n`` x ``k`` fold GEMM, or None for torch.
+def kernel_config_for(gpu: str, n: int, k: int, m: int) -> KernelConfig | SkinnyConfig | None:
+    """The fold GEMM kernel the table picks for an ``m`` x ``n`` x ``k`` fold GEMM on GPU kind
+    ``gpu``: the bucket holding ``m`` says which, and this returns its launch parameters.
+
+    - backend "triton": that bucket's ``KernelConfig`` (the tiled kernel, ``launch_fold_gemm``);
+    - backend "skinny": the [[skinny]] role="fold" ``SkinnyConfig`` for ``m`` (``launch_skinny_gemm``;
+      ``parse_table`` guarantees one exists);
+    - backend "torch", ``m`` above the last bucket, an (n, k) the table never measured, or a GPU
+      without a table: None (torch / cuBLAS).
 
     Only an exactly measured (n, k) runs Triton: a config tuned for another shape may lose to
-    cuBLAS, and the table exists to never lose.
+    cuBLAS, and the table exists to never lose. The choice of backend is the tuner's alone
+    (``tune.decide``); this only reads it. [[q_b_proj]] entries are never returned.
     """
     table = load_table(gpu)
     if table is None:
@@ -298,8 +335,10 @@ def kernel_config_for(gpu: str, n: int, k: int, m: int) -> KernelConfig | None:
     if entry is None:
         return None
     bucket = entry.bucket_for(m)
-    if bucket is None or bucket.backend != "triton":
+    if bucket is None or bucket.backend == "torch":
         return None
+    if bucket.backend == "skinny":
+        return skinny_config(table, "fold", n, k, m)
     return bucket.config
 
 
