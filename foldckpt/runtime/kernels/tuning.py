@@ -233,6 +233,14 @@ def _parse_buckets(
     return buckets
 
 
+def _optional_tables(data: Mapping[str, Any], key: str, source: str) -> list[tuple[str, Any]]:
+    """The entries of an optional ``[[key]]`` array of tables, each with its name for errors."""
+    raw = data.get(key, [])
+    if not isinstance(raw, list):
+        raise FoldckptError(f"{source}: [[{key}]] must be an array of tables, got {raw!r}")
+    return [(f"{source} [[{key}]] #{i}", entry) for i, entry in enumerate(raw)]
+
+
 def parse_table(data: Mapping[str, Any], source: str) -> GpuTable:
     """Validate a loaded TOML document; ``source`` names it in error messages."""
     meta = _require(data, "meta", dict, source)
@@ -250,22 +258,14 @@ def parse_table(data: Mapping[str, Any], source: str) -> GpuTable:
         shapes[(n, k)] = ShapeEntry(n=n, k=k, fold_max_tokens=max_tokens, buckets=buckets)
         shape_where[(n, k)] = where
     q_b_proj: dict[tuple[int, int], tuple[Bucket, ...]] = {}
-    raw_q_b_proj = data.get("q_b_proj", [])
-    if not isinstance(raw_q_b_proj, list):
-        raise FoldckptError(f"{source}: [[q_b_proj]] must be an array of tables, got {raw_q_b_proj!r}")
-    for i, raw in enumerate(raw_q_b_proj):
-        where = f"{source} [[q_b_proj]] #{i}"
+    for where, raw in _optional_tables(data, "q_b_proj", source):
         n = _require(raw, "n", int, where)
         k = _require(raw, "k", int, where)
         if (n, k) in q_b_proj:
             raise FoldckptError(f"{where}: shape n={n} k={k} appears twice")
         q_b_proj[(n, k)] = _parse_buckets(raw, k, where)
     skinny: dict[tuple[str, int, int], list[SkinnyConfig]] = {}
-    raw_skinny = data.get("skinny", [])
-    if not isinstance(raw_skinny, list):
-        raise FoldckptError(f"{source}: [[skinny]] must be an array of tables, got {raw_skinny!r}")
-    for i, raw in enumerate(raw_skinny):
-        where = f"{source} [[skinny]] #{i}"
+    for where, raw in _optional_tables(data, "skinny", source):
         role = _require(raw, "role", str, where)
         if role not in ("q_b_proj", "fold"):
             raise FoldckptError(f"{where}: role {role!r} is not 'q_b_proj' or 'fold'")
