@@ -52,6 +52,33 @@ def _load_weight(
     return tensor, records
 
 
+def nonfinite_fold_problem(fold: torch.Tensor, inputs: LayerInputs, fold_dtype: str) -> str | None:
+    """Why a fold with NaN/Inf is wrong, or None when it has none (or its inputs already had some,
+    which ``--allow-nonfinite`` let through): finite inputs whose fold is not finite overflowed
+    the fold dtype."""
+    finite = torch.isfinite(fold)
+    if bool(finite.all()) or not (bool(torch.isfinite(inputs.q_b_proj).all()) and bool(torch.isfinite(inputs.kv_b_proj).all())):
+        return None
+    count = int(finite.numel() - finite.sum())
+    return (
+        f"{count} of its {fold.numel()} values are Inf or NaN although q_b_proj and kv_b_proj are finite: "
+        f"the fold overflows {fold_dtype}"
+    )
+
+
+def check_fold_finite(fold: torch.Tensor, inputs: LayerInputs, layer: LayerPlan, fold_dtype: str) -> None:
+    problem = nonfinite_fold_problem(fold, inputs, fold_dtype)
+    if problem is not None:
+        raise FoldckptError(
+            f"{plan_layer_label(layer)}: {problem} (largest value {torch.finfo(fold.dtype).max:.6g}); "
+            "choose --fold-dtype bfloat16 or float32"
+        )
+
+
+def plan_layer_label(layer: LayerPlan) -> str:
+    return f"MLA layer {layer.layer.index}{' (mtp)' if layer.layer.is_mtp else ''} ('{layer.output.name}')"
+
+
 def load_layer_inputs(plan: ConversionPlan, layer: LayerPlan, allow_nonfinite: bool = False) -> LayerInputs:
     q_b, q_sources = _load_weight(plan, layer.q_b_proj, allow_nonfinite)
     kv_b, kv_sources = _load_weight(plan, layer.kv_b_proj, allow_nonfinite)
@@ -79,6 +106,7 @@ def fold_from_source(
     geometry = plan.geometry
     inputs = load_layer_inputs(plan, layer, allow_nonfinite)
     fold = fold_layer(inputs.q_b_proj, inputs.kv_b_proj, geometry, FOLD_DTYPES[plan.fold_dtype])
+    check_fold_finite(fold, inputs, layer, plan.fold_dtype)
     error = fold_error(fold, inputs.q_b_proj, inputs.kv_b_proj, geometry, sample_heads(geometry.num_heads))
     data = tensor_to_bytes(fold)
     whole, ranks = slice_digests(data, geometry, plan.tp_sizes, pool)

@@ -602,7 +602,7 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
     import torch
 
     from foldckpt.fold import ROUNDING_TOLERANCE, fold_error, fold_layer, probe_error
-    from foldckpt.layer import load_layer_inputs
+    from foldckpt.layer import load_layer_inputs, nonfinite_fold_problem
     from foldckpt.plan import FOLD_DTYPES, plan_conversion
 
     plan = plan_conversion(
@@ -662,12 +662,16 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
         header = read_header(out_dir / record.file)
         stored = read_tensor(out_dir / record.file, header.tensors[record.name])
         recomputed = fold_layer(inputs.q_b_proj, inputs.kv_b_proj, geometry, stored.dtype)
+        nonfinite = nonfinite_fold_problem(stored, inputs, manifest.fold_dtype)
+        if nonfinite is not None:
+            problems.append(Problem(record.file, f"'{record.name}': {nonfinite}", record.name))
+            continue
         same = torch.equal(stored, recomputed)
         bitwise += same
         error = 0.0 if same else fold_error(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry, heads).rel_fro_error
         probe = probe_error(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry)
         worst_error, worst_probe = max(worst_error, error), max(worst_probe, probe)
-        if error > tolerance or probe > 2 * tolerance:
+        if not (error <= tolerance and probe <= 2 * tolerance):  # NaN fails too
             problems.append(Problem(
                 record.file, f"'{record.name}' is not the fold of its sources (relative error vs fp64 {error:.2e}, "
                 f"probe x·W_foldᵀ vs two-step query {probe:.2e}, tolerance {tolerance:.1e})", record.name,
