@@ -171,6 +171,21 @@ def resolve_tp_sizes(geometry: Geometry, tp_sizes: tuple[int, ...] | None) -> tu
     return tuple(sorted(set(tp_sizes)))
 
 
+def _refuse_foldckpt_output(model_dir: Path) -> None:
+    """A foldckpt output (finished or not) is not a model to convert: its manifest, journal and
+    sidecars would be carried over as source files of the new output, which then fails verify."""
+    from foldckpt.journal import JOURNAL_NAME
+    from foldckpt.manifest import MANIFEST_NAME
+
+    marks = [MANIFEST_NAME, JOURNAL_NAME, *sorted(p.name for p in model_dir.glob(f"{SIDECAR_PREFIX}*.safetensors"))]
+    found = [name for name in marks if (model_dir / name).exists()]
+    if found:
+        raise FoldckptError(
+            f"{model_dir}: is a foldckpt output (holds {found[0]}), not a model to convert; "
+            "convert the original model it was made from (it already serves folded and unfolded)"
+        )
+
+
 def plan_conversion(
     model_dir: Path,
     fold_dtype: str = "bfloat16",
@@ -189,6 +204,8 @@ def plan_conversion(
         raise FoldckptError("--max-shard-size must be positive")
     if not model_dir.is_dir():  # before config.json: a missing directory is not a missing config
         raise FoldckptError(f"{model_dir}: not a directory" if model_dir.exists() else f"{model_dir}: no such directory")
+    if not external_links:
+        _refuse_foldckpt_output(model_dir)
     geometry = read_geometry(model_dir)
     source = open_source_checkpoint(model_dir, external_links)
     if any(name.startswith(SIDECAR_PREFIX) for name in source.headers):
