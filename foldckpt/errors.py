@@ -16,7 +16,27 @@ EXIT_SIGNAL_BASE = 128  # + the signal number: 130 for SIGINT, 143 for SIGTERM
 
 
 class FoldckptError(Exception):
-    """A user-facing error: bad input, bad usage, or an environment problem (disk full, permissions)."""
+    """A user-facing error: bad input, bad usage, or an environment problem (disk full, permissions).
+
+    The message is complete (it names the file); ``path`` and ``tensor``, where known, say the same
+    for programs, and ``detail`` is the message without its ``<path>: `` prefix, so that nobody
+    parses message text. :meth:`at` builds the usual ``<path>: <detail>`` error.
+    """
+
+    def __init__(self, message: str, *, path: object = None, tensor: str | None = None, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.path = None if path is None else str(path)
+        self.tensor = tensor
+        self.detail = message if detail is None else detail
+
+    @classmethod
+    def at(cls, path: object, detail: str, tensor: str | None = None) -> "FoldckptError":
+        return cls(f"{path}: {detail}", path=path, tensor=tensor, detail=detail)
+
+
+class ManifestError(FoldckptError):
+    """``foldckpt.json`` exists but is not a manifest this conversion can be trusted by (edited,
+    damaged, inconsistent, or not the pinned one): verification fails (exit 1), serving refuses."""
 
 
 class Interrupted(BaseException):

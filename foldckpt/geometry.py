@@ -18,11 +18,12 @@ Families:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from collections.abc import Iterable
 from typing import Any
 
+from foldckpt.defaults import TP_CANDIDATES
 from foldckpt.errors import FoldckptError
 from foldckpt.files import read_json_file
 
@@ -94,20 +95,43 @@ class Geometry:
     def kv_b_proj_shape(self) -> tuple[int, int]:
         return (self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
 
-    def valid_tp_sizes(self, candidates: tuple[int, ...] = (1, 2, 4, 8, 16)) -> tuple[int, ...]:
-        """The candidate tensor-parallel sizes whose head split is exact."""
-        return tuple(tp for tp in candidates if self.num_heads % tp == 0)
+    def splits_heads(self, tp: int) -> bool:
+        """The one TP rule: a tensor-parallel size serves (and verifies) when it divides the heads."""
+        return not isinstance(tp, bool) and isinstance(tp, int) and tp > 0 and self.num_heads % tp == 0
 
-    def rank_rows(self, tp: int, rank: int) -> tuple[int, int]:
-        """Row range ``[start, stop)`` of the fold that vLLM rank ``rank`` of ``tp`` loads."""
-        if tp <= 0 or self.num_heads % tp:
+    def valid_tp_sizes(self, candidates: tuple[int, ...] = TP_CANDIDATES) -> tuple[int, ...]:
+        """The candidate tensor-parallel sizes whose head split is exact."""
+        return tuple(tp for tp in candidates if self.splits_heads(tp))
+
+    def rank_heads(self, tp: int, rank: int) -> tuple[int, int]:
+        """Head range ``[first, stop)`` that vLLM rank ``rank`` of ``tp`` owns."""
+        if not self.splits_heads(tp):
             raise FoldckptError(
                 f"tensor-parallel size {tp} does not divide the {self.num_heads} attention heads"
             )
         if not 0 <= rank < tp:
             raise FoldckptError(f"rank {rank} is outside tensor-parallel size {tp}")
-        rows = self.num_heads // tp * self.fold_head_dim
-        return rank * rows, (rank + 1) * rows
+        heads = self.num_heads // tp
+        return rank * heads, (rank + 1) * heads
+
+    def rank_rows(self, tp: int, rank: int) -> tuple[int, int]:
+        """Row range ``[start, stop)`` of the fold that vLLM rank ``rank`` of ``tp`` loads."""
+        first, stop = self.rank_heads(tp, rank)
+        return first * self.fold_head_dim, stop * self.fold_head_dim
+
+    def differences(self, other: Geometry) -> list[str]:
+        """What differs between two geometries, field by field (empty exactly when they are equal:
+        the one definition of "same geometry" that verify and the serving loader both use)."""
+        diffs = []
+        for item in fields(self):
+            mine, theirs = getattr(self, item.name), getattr(other, item.name)
+            if mine == theirs:
+                continue
+            if item.name == "layers":
+                diffs.append(f"MLA layers: manifest {describe_layers(mine)}, config {describe_layers(theirs)}")
+            else:
+                diffs.append(f"{item.name}: manifest {mine!r}, config {theirs!r}")
+        return diffs
 
     def to_dict(self) -> dict[str, Any]:
         return {

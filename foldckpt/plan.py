@@ -13,15 +13,14 @@ from typing import Any
 
 from foldckpt import __version__
 from foldckpt.checkpoint import SourceCheckpoint, list_files_to_place, open_source_checkpoint
+from foldckpt.defaults import DEFAULT_FOLD_DTYPE, DEFAULT_MAX_SHARD_SIZE, FOLD_DTYPE_NAMES, SIDECAR_PREFIX
 from foldckpt.errors import FoldckptError
 from foldckpt.geometry import Geometry, MLALayer, read_geometry
 from foldckpt.safetensors_format import TensorInfo, TensorSpec, file_size_for
 
-# ``--fold-dtype`` choices and the safetensors dtype each is stored as. Planning needs no torch;
-# ``FOLD_DTYPES`` (name -> torch dtype) is built on first access.
-FOLD_DTYPE_NAMES: dict[str, str] = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-SIDECAR_PREFIX = "foldckpt-"
-DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
+# ``--fold-dtype`` choices (and the safetensors dtype each is stored as), the sidecar prefix and the
+# shard cap are written once, in foldckpt.defaults. Planning needs no torch; ``FOLD_DTYPES``
+# (name -> torch dtype) is built on first access.
 SIDECAR_METADATA = {"format": "pt", "producer": f"foldckpt {__version__}"}
 _DIRECT_DTYPES = ("BF16", "F16", "F32")
 _FP8_DTYPE = "F8_E4M3"
@@ -188,7 +187,7 @@ def _refuse_foldckpt_output(model_dir: Path) -> None:
 
 def plan_conversion(
     model_dir: Path,
-    fold_dtype: str = "bfloat16",
+    fold_dtype: str = DEFAULT_FOLD_DTYPE,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     tp_sizes: tuple[int, ...] | None = None,
     external_links: bool = False,

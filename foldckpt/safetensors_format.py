@@ -107,7 +107,7 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 
 
 def _bad(path: Path, what: str) -> FoldckptError:
-    return FoldckptError(f"{path}: not a valid safetensors file: {what}")
+    return FoldckptError.at(path, f"not a valid safetensors file: {what}")
 
 
 def _parse_entry(path: Path, name: str, entry: Any, data_start: int) -> TensorInfo:
@@ -159,11 +159,11 @@ def read_header(path: Path) -> SafetensorsHeader:
                 )
             raw = handle.read(header_size)
     except FileNotFoundError:
-        raise FoldckptError(f"{path}: file not found") from None
+        raise FoldckptError.at(path, "file not found") from None
     except PermissionError:
-        raise FoldckptError(f"{path}: permission denied; make the file readable") from None
+        raise FoldckptError.at(path, "permission denied; make the file readable") from None
     except IsADirectoryError:
-        raise FoldckptError(f"{path}: is a directory, expected a safetensors file") from None
+        raise FoldckptError.at(path, "is a directory, expected a safetensors file") from None
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -200,7 +200,7 @@ def read_tensor_bytes(path: Path, info: TensorInfo, start: int = 0, stop: int | 
     try:
         fd = os.open(path, os.O_RDONLY)
     except PermissionError:
-        raise FoldckptError(f"{path}: permission denied; make the file readable") from None
+        raise FoldckptError.at(path, "permission denied; make the file readable") from None
     except FileNotFoundError:
         raise FoldckptError(f"{path}: file disappeared while converting") from None
     try:

@@ -1,0 +1,34 @@
+"""Every default and rule that more than one module needs, written once (no torch, no vLLM).
+
+Convert, verify, inspect and the serving loader all read these; the conversion planner
+(:mod:`foldckpt.plan`) re-exports the ones it uses, so that the vLLM plugin never imports it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# ``--fold-dtype`` choices and the safetensors dtype each is stored as.
+FOLD_DTYPE_NAMES: dict[str, str] = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+DEFAULT_FOLD_DTYPE = "bfloat16"
+# The fold is always accumulated in fp32 and rounded once to the fold dtype.
+ACCUMULATION_DTYPE = "float32"
+DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
+SIDECAR_PREFIX = "foldckpt-"
+# Tensor-parallel sizes summaries show the per-rank memory of (those that divide H). Any TP size
+# that divides H serves and verifies: that is the one TP rule, :meth:`Geometry.splits_heads`.
+TP_CANDIDATES: tuple[int, ...] = (1, 2, 4, 8, 16)
+# The serving plugin refuses a manifest whose file sha256 is not this (when set).
+EXPECT_MANIFEST_ENV = "FOLDCKPT_EXPECT_MANIFEST_SHA256"
+
+
+def fold_torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``--fold-dtype`` name (imports torch)."""
+    import torch
+
+    if name not in FOLD_DTYPE_NAMES:
+        raise KeyError(name)
+    return getattr(torch, name)
