@@ -41,7 +41,7 @@ from foldckpt.errors import (
 )
 from foldckpt.files import LINK_MODES
 from foldckpt.geometry import describe_layers
-from foldckpt.plan import DEFAULT_MAX_SHARD_SIZE, FOLD_DTYPE_NAMES
+from foldckpt.defaults import DEFAULT_FOLD_DTYPE, DEFAULT_MAX_SHARD_SIZE, FOLD_DTYPE_NAMES
 from foldckpt.progress import human_bytes
 
 if TYPE_CHECKING:
@@ -176,12 +176,13 @@ def _print_convert(result: ConvertResult) -> None:
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @click.option("--revision", default=None, metavar="REV",
               help="With a Hugging Face model id: the branch, tag or commit in the local cache (default main).")  # fmt: skip
-@click.option("--fold-dtype", type=click.Choice(list(FOLD_DTYPE_NAMES)), default="bfloat16", show_default=True,
+@click.option("--fold-dtype", type=click.Choice(list(FOLD_DTYPE_NAMES)), default=DEFAULT_FOLD_DTYPE, show_default=True,
               help="Dtype of the stored fold (accumulation is always fp32, rounded once).")  # fmt: skip
 @click.option("--max-shard-size", type=ByteSize(), default=DEFAULT_MAX_SHARD_SIZE, show_default="5GiB",
               help="Cap on each sidecar shard's size.")  # fmt: skip
 @click.option("--tp", "tp_sizes", multiple=True, callback=_parse_tp, metavar="N[,N...]",
-              help="Tensor-parallel sizes to record per-rank slice hashes for (default: 1,2,4,8,16 that divide H).")  # fmt: skip
+              help="Tensor-parallel sizes to show the per-rank GPU memory of (default: 1,2,4,8,16 that divide H). "
+                   "Does not shape the output: every TP size dividing H serves and verifies (per-head hashes).")  # fmt: skip
 @click.option("--link", type=click.Choice(LINK_MODES), default="auto", show_default=True,
               help="How source files appear in OUT_DIR: hard link (auto: when on the same filesystem), copy, symlink.")  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Validate everything from headers and print the plan; write nothing.")
@@ -231,6 +232,8 @@ def convert_command(model_dir: str, out_dir: Path, revision: str | None, fold_dt
 
 
 def _print_verify(report: VerifyReport) -> None:
+    if report.manifest_sha256 is not None:  # `sha256sum foldckpt.json` prints the same: pin it
+        click.echo(f"sha256     {report.manifest_sha256}  foldckpt.json")
     for level in report.levels:
         click.echo(f"{'ok  ' if level.ok else 'FAIL'} {level.name:<10} {level.summary} ({level.elapsed_s:.2f} s)")
         for problem in level.problems:
@@ -245,15 +248,24 @@ def _print_verify(report: VerifyReport) -> None:
 @click.option("--deep", is_flag=True, help="Same as --level deep: recompute folds from the source tensors.")
 @click.option("--sample", type=click.IntRange(min=1), default=None, help="With --deep: recompute only K layers.")
 @click.option("--rank", type=click.IntRange(min=0), default=None, help="Hash only this rank's slice of each fold.")
-@click.option("--tp", type=click.IntRange(min=1), default=None, help="Tensor-parallel size for --rank.")
+@click.option("--tp", type=click.IntRange(min=1), default=None,
+              help="Tensor-parallel size for --rank: any size that divides the attention heads.")
+@click.option("--expect-manifest-sha256", "expect_sha256", default=None, metavar="HEX",
+              help="Fail unless foldckpt.json has this sha256 (as verify, inspect and sha256sum print it).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Hashing threads (default: one per core when the files are cached, else two per core).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress reports.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def verify_command(ctx: click.Context, out_dir: Path, level: str, deep: bool, sample: int | None, rank: int | None,
-                   tp: int | None, workers: int | None, quiet: bool, as_json: bool) -> None:  # fmt: skip
-    """Check OUT_DIR against its manifest: files, structure, sha256, and (--deep) the math."""
+                   tp: int | None, expect_sha256: str | None, workers: int | None, quiet: bool, as_json: bool) -> None:  # fmt: skip
+    """Check OUT_DIR against its manifest: files, structure, sha256, and (--deep) the math.
+
+    First the manifest proves itself unedited (its own digest); its file sha256 is printed: pin
+    it with --expect-manifest-sha256 (or FOLDCKPT_EXPECT_MANIFEST_SHA256 when serving).
+    """
+    if expect_sha256 is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", expect_sha256.strip()):
+        raise click.BadParameter(f"{expect_sha256!r} is not a sha256 (64 hex digits)", param_hint="'--expect-manifest-sha256'")
     if (rank is None) != (tp is None):
         raise click.UsageError("--rank and --tp go together (--rank R --tp N)")
     if sample is not None and not (deep or level == "deep"):
@@ -262,7 +274,7 @@ def verify_command(ctx: click.Context, out_dir: Path, level: str, deep: bool, sa
 
     options = VerifyOptions(
         level="deep" if deep else level, sample=sample, rank=rank, tp=tp, workers=workers,
-        progress=not quiet and not as_json,
+        progress=not quiet and not as_json, expect_manifest_sha256=expect_sha256,
     )  # fmt: skip
     report = verify(out_dir, options)
     _emit_json(report.to_dict()) if as_json else _print_verify(report)
@@ -285,6 +297,8 @@ def _print_inspection(info: Inspection) -> None:
     if info.folded_layers is None:
         click.echo("fold       not converted (no foldckpt.json)")
         return
+    if info.manifest_sha256 is not None:
+        click.echo(f"sha256     {info.manifest_sha256}  foldckpt.json")
     click.echo(f"fold       {info.folded_layers}/{len(g.layers)} layers, {info.fold_dtype}, "
                f"{human_bytes(info.fold_bytes)} ({100 * info.fold_bytes / max(info.model_bytes, 1):.2f}% of the weights)")  # fmt: skip
     for name, size in info.sidecars.items():

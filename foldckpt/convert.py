@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from foldckpt.checkpoint import stays_inside
+from foldckpt.defaults import ACCUMULATION_DTYPE, DEFAULT_FOLD_DTYPE
 from foldckpt.errors import FoldckptError
 from foldckpt.files import (
     is_tmp_path,
@@ -54,7 +55,7 @@ __all__ = ["DEFAULT_MAX_SHARD_SIZE", "ConvertOptions", "ConvertResult", "LayerOu
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    fold_dtype: str = "bfloat16"
+    fold_dtype: str = DEFAULT_FOLD_DTYPE
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     tp_sizes: tuple[int, ...] | None = None
     link: str = "auto"
@@ -118,9 +119,8 @@ def _output_parameters(plan: ConversionPlan, options: ConvertOptions) -> dict[st
     """The parameters that shape the output bytes (and so key resumption and idempotence)."""
     return {
         "fold_dtype": plan.fold_dtype,
-        "accumulation_dtype": "float32",
+        "accumulation_dtype": ACCUMULATION_DTYPE,
         "max_shard_size": options.max_shard_size,
-        "tp_sizes": list(plan.tp_sizes),
     }
 
 
@@ -285,8 +285,7 @@ def _manifest(
     return Manifest(
         geometry=plan.geometry,
         fold_dtype=plan.fold_dtype,
-        accumulation_dtype="float32",
-        tp_sizes=plan.tp_sizes,
+        accumulation_dtype=ACCUMULATION_DTYPE,
         tensors=ordered,
         sidecars={s.name: FileRecord(**journal.shard(s.name).done) for s in plan.shards},
         source_files={n: FileRecord(**journal.source_hashes[n]) for n in plan.files_to_place},

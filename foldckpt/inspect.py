@@ -39,6 +39,8 @@ class Inspection:
     layers: tuple[FoldedLayer, ...] = ()
     sidecars: dict[str, int] = field(default_factory=dict)
     source: dict[str, Any] | None = None
+    # sha256 of the foldckpt.json file (as `sha256sum` prints it): what a user pins.
+    manifest_sha256: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -52,6 +54,7 @@ class Inspection:
             "layers": [layer.to_dict() for layer in self.layers],
             "sidecars": self.sidecars,
             "source": self.source,
+            "manifest_sha256": self.manifest_sha256,
         }
 
 
@@ -79,8 +82,9 @@ def inspect_dir(directory: Path | ModelSource) -> Inspection:
         folded_layers=len(manifest.tensors),
         fold_dtype=manifest.fold_dtype,
         fold_bytes=fold_bytes,
-        extra_bytes_per_gpu={tp: fold_bytes // tp for tp in manifest.tp_sizes},
+        extra_bytes_per_gpu={tp: fold_bytes // tp for tp in manifest.geometry.valid_tp_sizes()},
         layers=layers,
         sidecars={name: record.size for name, record in manifest.sidecars.items()},
         source=manifest.source or origin.to_dict(),
+        manifest_sha256=manifest.file_sha256,
     )

@@ -2,7 +2,7 @@
 
 Reads the layer's inputs (hashing exactly the bytes read, for provenance), dequantizes fp8 blocks,
 refuses NaN/Inf, folds, measures the error against fp64 on sampled heads, and hashes the result
-whole and per tensor-parallel rank slice.
+once, head block by head block (the leaves of :mod:`foldckpt.hashing`'s per-head tree).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import dequantize_fp8_blocks, fold_error, fold_layer, sample_heads
-from foldckpt.geometry import Geometry
+from foldckpt.hashing import head_digests
 from foldckpt.manifest import FoldTensor, SourceTensor
 from foldckpt.plan import FOLD_DTYPES, ConversionPlan, LayerPlan, SourceWeight
 from foldckpt.safetensors_format import TORCH_DTYPES, TensorInfo, read_tensor_bytes, tensor_to_bytes
@@ -85,20 +85,6 @@ def load_layer_inputs(plan: ConversionPlan, layer: LayerPlan, allow_nonfinite: b
     return LayerInputs(q_b, kv_b, tuple(q_sources + kv_sources))
 
 
-def slice_digests(
-    data: memoryview, geometry: Geometry, tp_sizes: tuple[int, ...], pool: Executor
-) -> tuple[str, dict[int, tuple[str, ...]]]:
-    """sha256 of a fold's bytes, and of every rank's row slice for each tensor-parallel size."""
-    row_bytes = data.nbytes // geometry.fold_shape[0]
-
-    def digest(start_row: int, stop_row: int) -> str:
-        return hashlib.sha256(data[start_row * row_bytes : stop_row * row_bytes]).hexdigest()
-
-    whole = pool.submit(digest, 0, geometry.fold_shape[0])
-    ranks = {tp: [pool.submit(digest, *geometry.rank_rows(tp, r)) for r in range(tp)] for tp in tp_sizes}
-    return whole.result(), {tp: tuple(f.result() for f in futures) for tp, futures in ranks.items()}
-
-
 def fold_from_source(
     plan: ConversionPlan, layer: LayerPlan, shard: str, pool: Executor, allow_nonfinite: bool = False
 ) -> tuple[memoryview, FoldTensor]:
@@ -109,7 +95,7 @@ def fold_from_source(
     check_fold_finite(fold, inputs, layer, plan.fold_dtype)
     error = fold_error(fold, inputs.q_b_proj, inputs.kv_b_proj, geometry, sample_heads(geometry.num_heads))
     data = tensor_to_bytes(fold)
-    whole, ranks = slice_digests(data, geometry, plan.tp_sizes, pool)
+    leaves = head_digests(data, geometry.num_heads, pool)  # each fold byte hashed once, any TP size served
     record = FoldTensor(
         name=layer.output.name,
         layer_index=layer.layer.index,
@@ -117,8 +103,7 @@ def fold_from_source(
         file=shard,
         dtype=layer.output.dtype,
         shape=geometry.fold_shape,
-        sha256=whole,
-        rank_sha256=ranks,
+        head_sha256=leaves,
         sources=inputs.sources,
         error=error.to_dict(),
     )

@@ -3,23 +3,44 @@
 It is the single source of truth for verify and for the vLLM plugin, and it is written last and
 atomically: its presence means the conversion finished. Its content is deterministic (no
 timestamps), so an interrupted-then-resumed conversion produces the same bytes as a clean one.
+
+It is the root of trust, so it vouches for itself: ``manifest_sha256`` is the sha256 of the
+canonical encoding of everything else in it (:func:`canonical_bytes`), and the file must be
+byte-for-byte the encoding foldckpt writes (:func:`encode_manifest`). Any edit of any byte is
+therefore caught by :func:`read_manifest` (a :class:`~foldckpt.errors.ManifestError`), before a
+file is judged by it. A consistent forgery (manifest and files rewritten together, digest
+recomputed) cannot be told from the real thing by the manifest alone: users pin a conversion by
+the sha256 of the ``foldckpt.json`` file (``verify`` and ``inspect`` print it, ``sha256sum`` gives
+the same), and ``read_manifest(expect_sha256=...)`` refuses any other.
+
+Format 2 (this one) records one sha256 per head block of each fold (:mod:`foldckpt.hashing`);
+format 1 recorded per-rank hashes for the TP sizes chosen at convert time and is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from foldckpt import __version__
-from foldckpt.errors import FoldckptError
-from foldckpt.files import atomic_write_json, read_json_file
+from foldckpt.errors import FoldckptError, ManifestError
+from foldckpt.files import atomic_output
 from foldckpt.geometry import Geometry
+from foldckpt.hashing import LEAF_RULE, RANK_RULE
 from foldckpt.safetensors_format import tensor_nbytes
 
 MANIFEST_NAME = "foldckpt.json"
 FORMAT_NAME = "foldckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+DIGEST_KEY = "manifest_sha256"
+DIGEST_RULE = (
+    f"sha256 of the manifest without '{DIGEST_KEY}', encoded as JSON with sorted keys, "
+    "separators (',', ':'), ASCII escapes"
+)
 FORMULA = "W_fold[h] = [W_UK[h]^T @ W_qb_nope[h] ; W_qb_pe[h]]"
 LAYOUT = "head-major [H*(L+R), Lq]; rank r of tp owns rows [r*H/tp*(L+R), (r+1)*H/tp*(L+R))"
 _MAX_MANIFEST_BYTES = 256 * 1024 * 1024
@@ -48,7 +69,8 @@ class SourceTensor:
 
 @dataclass(frozen=True)
 class FoldTensor:
-    """One stored fold tensor and everything needed to check it."""
+    """One stored fold tensor and everything needed to check it: the leaves of its per-head hash
+    tree (``head_sha256[h]``: sha256 of head h's rows of the stored bytes), its sources, its error."""
 
     name: str
     layer_index: int
@@ -56,8 +78,7 @@ class FoldTensor:
     file: str
     dtype: str
     shape: tuple[int, int]
-    sha256: str
-    rank_sha256: dict[int, tuple[str, ...]]
+    head_sha256: tuple[str, ...]
     sources: tuple[SourceTensor, ...]
     error: dict[str, Any]
 
@@ -68,8 +89,7 @@ class FoldTensor:
             "file": self.file,
             "dtype": self.dtype,
             "shape": list(self.shape),
-            "sha256": self.sha256,
-            "rank_sha256": {str(tp): list(hashes) for tp, hashes in sorted(self.rank_sha256.items())},
+            "head_sha256": list(self.head_sha256),
             "sources": [source.to_dict() for source in self.sources],
             "error_vs_fp64": self.error,
         }
@@ -83,8 +103,7 @@ class FoldTensor:
             file=str(data["file"]),
             dtype=str(data["dtype"]),
             shape=(int(data["shape"][0]), int(data["shape"][1])),
-            sha256=str(data["sha256"]),
-            rank_sha256={int(tp): tuple(map(str, h)) for tp, h in data["rank_sha256"].items()},
+            head_sha256=tuple(str(h) for h in data["head_sha256"]),
             sources=tuple(SourceTensor(s["name"], s["file"], s["sha256"]) for s in data["sources"]),
             error=dict(data["error_vs_fp64"]),
         )
@@ -95,15 +114,19 @@ class Manifest:
     geometry: Geometry
     fold_dtype: str
     accumulation_dtype: str
-    tp_sizes: tuple[int, ...]
     tensors: dict[str, FoldTensor]
     sidecars: dict[str, FileRecord]
     source_files: dict[str, FileRecord]
     parameters: dict[str, Any] = field(default_factory=dict)
     # For a model converted by Hugging Face id: {"repo_id", "revision" (as asked), "commit"}.
     source: dict[str, Any] | None = None
+    # Names among source_files that foldckpt wrote rather than placed: the safetensors index of a
+    # source without one, so that weight loaders read the listed weights and never the sidecars.
+    generated_files: tuple[str, ...] = ()
     tool_version: str = __version__
     format_version: int = FORMAT_VERSION
+    # The sha256 of the foldckpt.json file this was read from (what users pin); None when built.
+    file_sha256: str | None = field(default=None, compare=False)
 
     @property
     def files(self) -> dict[str, FileRecord]:
@@ -133,11 +156,12 @@ class Manifest:
                 "accumulation_dtype": self.accumulation_dtype,
                 "tensor_name": "<layer prefix>.self_attn.q_fold.weight",
             },
-            "tp_sizes": list(self.tp_sizes),
+            "integrity": {"head_sha256": LEAF_RULE, "rank_digest": RANK_RULE, DIGEST_KEY: DIGEST_RULE},
             "parameters": self.parameters,
             "tensors": {name: t.to_dict() for name, t in self.tensors.items()},
             "sidecars": {name: r.to_dict() for name, r in self.sidecars.items()},
             "source_files": {name: r.to_dict() for name, r in self.source_files.items()},
+            **({"generated_files": list(self.generated_files)} if self.generated_files else {}),
         }
 
     @classmethod
@@ -147,7 +171,6 @@ class Manifest:
             geometry=Geometry.from_dict(data["geometry"]),
             fold_dtype=str(fold["dtype"]),
             accumulation_dtype=str(fold["accumulation_dtype"]),
-            tp_sizes=tuple(int(tp) for tp in data["tp_sizes"]),
             tensors={name: FoldTensor.from_dict(name, t) for name, t in data["tensors"].items()},
             sidecars={n: FileRecord(int(r["size"]), str(r["sha256"])) for n, r in data["sidecars"].items()},
             source_files={
@@ -155,29 +178,102 @@ class Manifest:
             },
             parameters=dict(data.get("parameters", {})),
             source=dict(data["source"]) if data.get("source") is not None else None,
+            generated_files=tuple(str(n) for n in data.get("generated_files", ())),
             tool_version=str(data["tool_version"]),
             format_version=int(data["format_version"]),
         )
 
 
-def write_manifest(out_dir: Path, manifest: Manifest) -> None:
-    atomic_write_json(Path(out_dir) / MANIFEST_NAME, manifest.to_dict())
+def canonical_bytes(data: dict[str, Any]) -> bytes:
+    """The canonical encoding of a manifest's content, without its own digest (what it signs)."""
+    body = {key: value for key, value in data.items() if key != DIGEST_KEY}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
-def read_manifest(out_dir: Path) -> Manifest:
-    """Load and validate ``foldckpt.json`` of a converted directory."""
-    path = Path(out_dir) / MANIFEST_NAME
-    data = read_json_file(
-        path, _MAX_MANIFEST_BYTES, "a foldckpt manifest", f"{out_dir} is not a finished foldckpt conversion"
-    )
-    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-        raise FoldckptError(f"{path}: not a foldckpt manifest")
-    if data.get("format_version") != FORMAT_VERSION:
-        raise FoldckptError(
-            f"{path}: format_version {data.get('format_version')!r} is not supported "
-            f"by foldckpt {__version__} (expects {FORMAT_VERSION})"
-        )
+def manifest_digest(data: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_bytes(data)).hexdigest()
+
+
+def encode_manifest(data: dict[str, Any]) -> bytes:
+    """The exact bytes of ``foldckpt.json`` for ``data`` (which carries its digest last)."""
+    return (json.dumps(data, indent=2, ensure_ascii=True) + "\n").encode("ascii")
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    data = manifest.to_dict()
+    data[DIGEST_KEY] = manifest_digest(data)
+    return encode_manifest(data)
+
+
+def write_manifest(out_dir: Path, manifest: Manifest) -> str:
+    """Write ``foldckpt.json`` atomically; returns the file's sha256 (what users pin)."""
+    raw = manifest_bytes(manifest)
+    with atomic_output(Path(out_dir) / MANIFEST_NAME) as handle:
+        handle.write(raw)
+    return hashlib.sha256(raw).hexdigest()
+
+
+def _read_raw(path: Path, out_dir: Path) -> bytes:
+    """The manifest's bytes; a missing or unreadable manifest is unusable input, not a failed check."""
+    if path.exists() and not path.is_file():  # a FIFO or device would block or never end
+        raise FoldckptError.at(path, "not a regular file; not a foldckpt manifest")
     try:
-        return Manifest.from_dict(data)
+        with open(path, "rb") as handle:
+            raw = handle.read(_MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise FoldckptError.at(path, f"not found; {out_dir} is not a finished foldckpt conversion") from None
+    except OSError as exc:
+        raise FoldckptError.at(path, f"cannot read: {exc.strerror}") from None
+    return raw
+
+
+def file_sha256(out_dir: Path) -> str:
+    """sha256 of the ``foldckpt.json`` file, as ``sha256sum`` prints it."""
+    return hashlib.sha256(_read_raw(Path(out_dir) / MANIFEST_NAME, Path(out_dir))).hexdigest()
+
+
+def read_manifest(out_dir: Path, expect_sha256: str | None = None) -> Manifest:
+    """Load ``foldckpt.json`` and prove it is unedited: its own digest, its exact encoding, and (when
+    ``expect_sha256`` is given) the pinned file sha256. Raises :class:`ManifestError` for any defect
+    of an existing manifest, :class:`FoldckptError` when there is none to read or it is format 1."""
+    out_dir = Path(out_dir)
+    path = out_dir / MANIFEST_NAME
+    raw = _read_raw(path, out_dir)
+
+    def bad(detail: str) -> ManifestError:
+        return ManifestError(f"{path}: {detail}", path=path, detail=detail)
+
+    digest = hashlib.sha256(raw).hexdigest()
+    if expect_sha256 is not None and digest != expect_sha256.strip().lower():
+        raise bad(f"sha256 {digest} is not the pinned {expect_sha256.strip().lower()}: not the conversion you pinned")
+    if len(raw) > _MAX_MANIFEST_BYTES:
+        raise bad(f"larger than {_MAX_MANIFEST_BYTES} bytes; not a foldckpt manifest")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad(f"invalid JSON ({exc}); damaged or edited after conversion") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+        raise bad("not a foldckpt manifest (no \"format\": \"foldckpt\")")
+    version = data.get("format_version")
+    if version == 1 and DIGEST_KEY not in data and "tp_sizes" in data:
+        raise FoldckptError.at(
+            path, f"written in manifest format 1 (per-TP rank hashes, no self-digest) by foldckpt "
+            f"{data.get('tool_version')}; foldckpt {__version__} reads format {FORMAT_VERSION} only: "
+            "reconvert (foldckpt convert MODEL_DIR OUT_DIR --restart)",
+        )  # fmt: skip
+    if version != FORMAT_VERSION:
+        raise bad(f"format_version {version!r} is not one foldckpt {__version__} reads ({FORMAT_VERSION}): edited, or written by another foldckpt")
+    recorded = data.get(DIGEST_KEY)
+    if not isinstance(recorded, str) or recorded != manifest_digest(data):
+        raise bad(f"its self-digest ({DIGEST_KEY}) does not match its content: edited or damaged after conversion")
+    try:
+        canonical = encode_manifest(data) == raw
+    except (TypeError, ValueError):
+        canonical = False
+    if not canonical:
+        raise bad("not byte-for-byte the encoding foldckpt writes (its content is intact): edited after conversion")
+    try:
+        manifest = Manifest.from_dict(data)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-        raise FoldckptError(f"{path}: malformed manifest ({type(exc).__name__}: {exc})") from None
+        raise bad(f"malformed manifest ({type(exc).__name__}: {exc})") from None
+    return dataclasses.replace(manifest, file_sha256=digest)

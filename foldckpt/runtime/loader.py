@@ -1,38 +1,35 @@
 """Finding, checking and reading the fold sidecars of a converted checkpoint (no vLLM here).
 
 The plugin calls :func:`open_fold_set` once per served directory, while the model is being built
-and before any weight is read: it checks everything that can be checked without tensor data (the
-manifest parses, its geometry is the one ``config.json`` implies, every MLA layer has a fold of the
-right shape and dtype, every sidecar exists with its recorded size and a valid header that holds
-the fold). A defect anywhere stops the engine with a :class:`FoldckptError` naming the file or layer,
-so a model is folded completely or not at all.
+and before any weight is read. It runs the same consistency check as ``foldckpt verify``
+(:mod:`foldckpt.consistency`): the manifest proves itself unedited (self-digest, exact encoding,
+and the sha256 pinned by ``FOLDCKPT_EXPECT_MANIFEST_SHA256`` when set), hangs together, every file
+it lists exists with its size, every sidecar header holds exactly its folds, and ``config.json``
+gives exactly its geometry. A defect anywhere stops the engine with a :class:`FoldckptError`
+naming the file (and tensor), so a model is folded completely or not at all.
 
-:meth:`FoldSet.read_rows` then reads the rows one tensor-parallel rank owns (a plain row range,
-see ARCHITECTURE.md "Layout") with ``pread`` and checks their sha256 against the manifest before a
-single value reaches the model: corrupted bytes never serve.
+:meth:`FoldSet.read_rows` then reads the rows one tensor-parallel rank owns (its whole heads, a
+plain row range for any TP size dividing the heads, see ARCHITECTURE.md "Layout") with ``pread``
+and checks each head block against its leaf of the manifest's per-head hash tree before a single
+value reaches the model: corrupted bytes never serve.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from foldckpt.checkpoint import resolve_inside
+from foldckpt.consistency import check_served
+from foldckpt.defaults import EXPECT_MANIFEST_ENV
 from foldckpt.errors import FoldckptError
-from foldckpt.geometry import CONFIG_NAME, Geometry, MLALayer, geometry_from_config, read_config
-from foldckpt.manifest import MANIFEST_NAME, FoldTensor, Manifest, read_manifest
-from foldckpt.plan import FOLD_DTYPES
-from foldckpt.safetensors_format import (
-    SAFETENSORS_DTYPES,
-    TORCH_DTYPES,
-    SafetensorsHeader,
-    read_header,
-    read_tensor_bytes,
-)
+from foldckpt.geometry import Geometry, MLALayer
+from foldckpt.hashing import describe_heads, head_digests, rank_digest
+from foldckpt.manifest import MANIFEST_NAME, Manifest, read_manifest
+from foldckpt.safetensors_format import TORCH_DTYPES, SafetensorsHeader, read_tensor_bytes
 
 _REMEDY = "re-run `foldckpt convert`, or set FOLDCKPT_DISABLE=1 to serve without the fold"
 
@@ -71,105 +68,44 @@ class FoldSet:
         )
 
     def read_rows(self, layer: MLALayer, tp_size: int, tp_rank: int) -> torch.Tensor:
-        """The fold rows of ``layer`` that tensor-parallel rank ``tp_rank`` of ``tp_size`` owns,
-        as a CPU tensor of the stored dtype, after checking their sha256."""
+        """The fold rows of ``layer`` that tensor-parallel rank ``tp_rank`` of ``tp_size`` owns (any
+        size dividing the heads), as a CPU tensor of the stored dtype, after checking each of its
+        heads against the manifest's head sha256."""
         record = self.manifest.tensors[layer.q_fold]
         path = self.model_dir / record.file
         info = self.headers[record.file].tensors[record.name]
-        start, stop = self.geometry.rank_rows(tp_size, tp_rank)
-        row_bytes = info.nbytes // record.shape[0]
-        hashes = record.rank_sha256.get(tp_size)
-        if hashes is not None:
-            data = read_tensor_bytes(path, info, start * row_bytes, stop * row_bytes)
-            _check_digest(data, hashes[tp_rank], path, record, f"rows [{start}, {stop})")
-        else:
-            # tp size not hashed at convert time: verify the whole tensor, keep our rows.
-            data = read_tensor_bytes(path, info)
-            _check_digest(data, record.sha256, path, record, "data")
-            data = data[start * row_bytes : stop * row_bytes]
+        first, stop = self.geometry.rank_heads(tp_size, tp_rank)
+        head_bytes = info.nbytes // self.geometry.num_heads
+        data = read_tensor_bytes(path, info, first * head_bytes, stop * head_bytes)
+        leaves = head_digests(data, stop - first)
+        bad = [first + i for i, leaf in enumerate(leaves) if leaf != record.head_sha256[first + i]]
+        if bad:
+            start, end = self.geometry.rank_rows(tp_size, tp_rank)
+            raise FoldckptError.at(
+                path, f"tensor '{record.name}' rows [{start}, {end}) (heads {describe_heads(bad)}) do not match the "
+                f"sha256 in {MANIFEST_NAME}; the sidecar is corrupted: {_REMEDY}", record.name,
+            )  # fmt: skip
         rows = torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype])
-        return rows.view(stop - start, record.shape[1])
+        return rows.view((stop - first) * self.geometry.fold_head_dim, record.shape[1])
+
+    def rank_digest(self, layer: MLALayer, tp_size: int, tp_rank: int) -> str:
+        """The recorded digest of a rank's rows of ``layer``, derived from its heads' leaves."""
+        first, stop = self.geometry.rank_heads(tp_size, tp_rank)
+        return rank_digest(self.manifest.tensors[layer.q_fold].head_sha256[first:stop])
 
 
-def _check_digest(data: bytearray, expected: str, path: Path, record: FoldTensor, what: str) -> None:
-    if hashlib.sha256(data).hexdigest() != expected:
-        raise FoldckptError(
-            f"{path}: tensor '{record.name}' {what} do not match the sha256 in {MANIFEST_NAME}; "
-            f"the sidecar is corrupted: {_REMEDY}"
-        )
+def open_fold_set(model_dir: Path, expect_sha256: str | None = None) -> FoldSet:
+    """Check a converted directory as far as possible without reading tensor data.
 
-
-def _geometry_mismatch(manifest: Geometry, config: Geometry) -> list[str]:
-    fields = ("architecture", "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-              "qk_rope_head_dim", "v_head_dim", "uses_rope")  # fmt: skip
-    diffs = [
-        f"{name}: manifest {getattr(manifest, name)!r}, config {getattr(config, name)!r}"
-        for name in fields
-        if getattr(manifest, name) != getattr(config, name)
-    ]
-    if [layer.prefix for layer in manifest.layers] != [layer.prefix for layer in config.layers]:
-        diffs.append("the list of MLA layers differs")
-    return diffs
-
-
-def _check_tensor(record: FoldTensor | None, layer: MLALayer, manifest: Manifest, where: Path) -> None:
-    if record is None:
-        raise FoldckptError(f"{where}: no fold for MLA layer '{layer.prefix}' ({layer.q_fold}); {_REMEDY}")
-    want_dtype = SAFETENSORS_DTYPES[FOLD_DTYPES[manifest.fold_dtype]]
-    if record.shape != manifest.geometry.fold_shape or record.dtype != want_dtype:
-        raise FoldckptError(
-            f"{where}: fold '{record.name}' is {record.dtype}{list(record.shape)}, the geometry "
-            f"implies {want_dtype}{list(manifest.geometry.fold_shape)}; {_REMEDY}"
-        )
-
-
-def _check_header(header: SafetensorsHeader, record: FoldTensor) -> None:
-    info = header.tensors.get(record.name)
-    if info is None:
-        raise FoldckptError(f"{header.path}: holds no tensor '{record.name}' (the manifest says it does); {_REMEDY}")
-    if info.dtype != record.dtype or info.shape != record.shape:
-        raise FoldckptError(
-            f"{header.path}: tensor '{record.name}' is {info.dtype}{list(info.shape)}, the manifest "
-            f"says {record.dtype}{list(record.shape)}; {_REMEDY}"
-        )
-
-
-def open_fold_set(model_dir: Path) -> FoldSet:
-    """Check a converted directory as far as possible without reading tensor data."""
+    ``expect_sha256`` (default: ``$FOLDCKPT_EXPECT_MANIFEST_SHA256``) pins the manifest file."""
     model_dir = Path(model_dir)
-    where = model_dir / MANIFEST_NAME
-    manifest = read_manifest(model_dir)
-    if manifest.fold_dtype not in FOLD_DTYPES:
-        raise FoldckptError(f"{where}: fold dtype {manifest.fold_dtype!r} is not one of {', '.join(FOLD_DTYPES)}")
-    config = geometry_from_config(read_config(model_dir), str(model_dir / CONFIG_NAME))
-    diffs = _geometry_mismatch(manifest.geometry, config)
-    if diffs:
-        raise FoldckptError(
-            f"{where}: made for another model than {model_dir / CONFIG_NAME} describes "
-            f"({'; '.join(diffs)}); {_REMEDY}"
-        )
-    for layer in manifest.geometry.layers:
-        _check_tensor(manifest.tensors.get(layer.q_fold), layer, manifest, where)
-
-    headers: dict[str, SafetensorsHeader] = {}
-    for name, file_record in manifest.sidecars.items():
-        if not (model_dir / name).exists():
-            raise FoldckptError(f"{model_dir / name}: the fold sidecar listed in {MANIFEST_NAME} is missing; {_REMEDY}")
-        path = resolve_inside(model_dir, name, str(where))  # no escape from the directory
-        size = path.stat().st_size
-        if size != file_record.size:
-            raise FoldckptError(
-                f"{path}: {size} bytes, the manifest records {file_record.size} (truncated or "
-                f"replaced?); {_REMEDY}"
-            )
-        headers[name] = read_header(path)
-    for layer in manifest.geometry.layers:
-        record = manifest.tensors[layer.q_fold]
-        if record.file not in headers:
-            raise FoldckptError(
-                f"{where}: fold '{record.name}' lives in '{record.file}', which is not a listed sidecar"
-            )
-        _check_header(headers[record.file], record)
+    if expect_sha256 is None:
+        expect_sha256 = os.environ.get(EXPECT_MANIFEST_ENV) or None
+    try:
+        manifest = read_manifest(model_dir, expect_sha256)
+    except FoldckptError as exc:
+        raise type(exc)(f"{exc}; {_REMEDY}", path=exc.path, tensor=exc.tensor, detail=f"{exc.detail}; {_REMEDY}") from None
+    headers = check_served(model_dir, manifest, _REMEDY)
     return FoldSet(model_dir, manifest, headers)
 
 

@@ -56,7 +56,7 @@ def test_missing_sidecar_stops_the_engine(engine_dir: Path, converted_bf16: Path
     sidecar.unlink()
     returncode, log = _start(engine_dir, "missing-sidecar", model)
     assert returncode != 0
-    assert f"FoldckptError: {sidecar}: the fold sidecar listed in foldckpt.json is missing" in log
+    assert f"FoldckptError: {sidecar}: listed in foldckpt.json but missing" in log
 
 
 def test_fold_set_of_a_good_conversion(converted_bf16: Path) -> None:
@@ -70,7 +70,7 @@ def test_fold_set_of_a_good_conversion(converted_bf16: Path) -> None:
 def test_truncated_sidecar_is_refused_before_loading(converted_bf16: Path, tmp_path: Path) -> None:
     model, sidecar = _copy(converted_bf16, tmp_path / "truncated")
     sidecar.write_bytes(sidecar.read_bytes()[:-128])
-    with pytest.raises(FoldckptError, match=f"{sidecar}: .* bytes, the manifest records"):
+    with pytest.raises(FoldckptError, match=f"{sidecar}: size .* bytes, foldckpt.json records"):
         open_fold_set(model)
 
 
@@ -79,7 +79,7 @@ def test_manifest_for_another_model_is_refused(converted_bf16: Path, tmp_path: P
     config = json.loads((model / "config.json").read_text())
     config["num_attention_heads"] = 4
     (model / "config.json").write_text(json.dumps(config))
-    expected = rf"{MANIFEST_NAME}: made for another model .*\(num_heads: manifest 8, config 4\)"
+    expected = rf"config.json: describes another model than {MANIFEST_NAME} was made for \(num_heads: manifest 8, config 4\)"
     with pytest.raises(FoldckptError, match=expected):
         open_fold_set(model)
 

@@ -94,17 +94,17 @@ def test_copy_and_symlink_modes_carry_the_same_bytes(
     assert verify(out_dir, VerifyOptions(progress=False)).ok
 
 
-def test_rank_hashes_and_sidecar_sharding(make_model: Callable[..., Path], tmp_path: Path) -> None:
+def test_head_hashes_and_sidecar_sharding(make_model: Callable[..., Path], tmp_path: Path) -> None:
     model_dir = make_model("kimi_k3", layers=8)
     out_dir = tmp_path / "out"
-    result = convert(model_dir, out_dir, ConvertOptions(progress=False, max_shard_size=700_000, tp_sizes=(2, 8)))
+    result = convert(model_dir, out_dir, ConvertOptions(progress=False, max_shard_size=700_000, tp_sizes=(2,)))
     manifest = read_manifest(out_dir)
     assert len(result.sidecars) == len(manifest.tensors) == 3  # MLA at 4 and 8 (1-based, 8 is the last) + MTP
-    assert manifest.tp_sizes == (2, 8)
     tensor = next(iter(manifest.tensors.values()))
-    assert len(tensor.rank_sha256[8]) == 8
-    for rank in range(8):
-        assert verify(out_dir, VerifyOptions(progress=False, rank=rank, tp=8)).ok
+    assert len(tensor.head_sha256) == manifest.geometry.num_heads == 8
+    for tp in (1, 4, 8):  # not the --tp given: the per-head hashes serve every size dividing H
+        for rank in range(tp):
+            assert verify(out_dir, VerifyOptions(progress=False, rank=rank, tp=tp)).ok
 
 
 def test_rerun_is_idempotent(converted: Callable[..., tuple[Path, Path]]) -> None:

@@ -307,7 +307,7 @@ def test_half_done_out_dir_is_refused_by_verify_and_refuses_other_parameters_unl
     assert str(out) in line and "refusing to mix" in line and "--restart" in line
     line = one_error_line(run_foldckpt("verify", out))
     assert MANIFEST_NAME in line and "not a finished foldckpt conversion" in line
-    for other in ({"fold_dtype": "float32"}, {"tp_sizes": (1, 2)}):
+    for other in ({"fold_dtype": "float32"}, {"fold_dtype": "float16"}):
         with pytest.raises(FoldckptError, match="refusing to mix"):
             resume_in_process(model, out, **other)
     result = convert(model, out, ConvertOptions(max_shard_size=3_000_000, restart=True, progress=False))

@@ -1,0 +1,190 @@
+"""The one consistency check of a converted directory, shared by ``verify`` and the serving loader.
+
+Everything that can be judged without hashing tensor data, in one place so that the two readers of
+a manifest cannot disagree on what "consistent" means:
+
+* :func:`manifest_problems`: the manifest hangs together on its own (file names stay inside the
+  directory, hashes are sha256 hex, one head hash per head, every MLA layer of its geometry has a
+  fold of the right dtype and shape in a listed sidecar);
+* :func:`file_problems`: the file set: every listed file exists with its recorded size, no stray
+  safetensors file or sidecar lies beside them;
+* :func:`sidecar_headers`: every sidecar header parses, tiles its file, and holds exactly the
+  manifest's folds with their dtypes and shapes;
+* :func:`config_problems`: ``config.json`` gives exactly the manifest's geometry
+  (:meth:`Geometry.differences`, the one definition of equality).
+
+Each returns :class:`Problem` records (file relative to the directory, tensor where there is one).
+``verify`` reports them by level; :func:`check_served` (the loader) stops at the first one.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from foldckpt.defaults import FOLD_DTYPE_NAMES, SIDECAR_PREFIX
+from foldckpt.errors import FoldckptError
+from foldckpt.geometry import CONFIG_NAME, read_geometry
+from foldckpt.manifest import MANIFEST_NAME, Manifest
+from foldckpt.safetensors_format import SafetensorsHeader, read_header
+
+_HEX = frozenset(string.hexdigits.lower())
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One failed check: the file (relative to the directory) it is about, the tensor if any, and what differs."""
+
+    file: str
+    what: str
+    tensor: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.what}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "tensor": self.tensor, "what": self.what, "message": str(self)}
+
+    def error(self, directory: Path, remedy: str = "") -> FoldckptError:
+        """This problem as the error a caller that stops at the first problem raises."""
+        detail = f"{self.what}; {remedy}" if remedy else self.what
+        return FoldckptError.at(Path(directory) / self.file, detail, self.tensor)
+
+    @classmethod
+    def of(cls, directory: Path, exc: FoldckptError, fallback: str) -> Problem:
+        """A problem from a library error, named by the file it carries (relative to ``directory``)."""
+        if exc.path is not None:
+            try:
+                return cls(Path(exc.path).relative_to(directory).as_posix(), exc.detail, exc.tensor)
+            except ValueError:
+                pass
+        return cls(fallback, str(exc), exc.tensor)
+
+
+def is_sha256(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and _HEX.issuperset(value)
+
+
+def _unsafe_name(name: str) -> bool:
+    pure = PurePosixPath(name)
+    return not name or "\x00" in name or "\\" in name or pure.is_absolute() or ".." in pure.parts or name == "."
+
+
+def manifest_problems(manifest: Manifest) -> list[Problem]:
+    """What the manifest says about itself must hang together before any file is judged by it."""
+    problems: list[Problem] = []
+
+    def bad(what: str, tensor: str | None = None) -> None:
+        problems.append(Problem(MANIFEST_NAME, what, tensor))
+
+    for name in sorted(set(manifest.sidecars) & set(manifest.source_files)):
+        bad(f"'{name}' is listed both as a sidecar and as a source file")
+    for section, records in (("sidecars", manifest.sidecars), ("source_files", manifest.source_files)):
+        for name, record in records.items():
+            if _unsafe_name(name):
+                bad(f"{section}: file name {name!r} escapes the output directory")
+            if record.size < 0:
+                bad(f"{section}: '{name}' has a negative size {record.size}")
+            if not is_sha256(record.sha256):
+                bad(f"{section}: '{name}' has sha256 {record.sha256!r}, not 64 lowercase hex digits")
+    for name in manifest.sidecars:
+        if not PurePosixPath(name).name.startswith(SIDECAR_PREFIX) or "/" in name:
+            bad(f"sidecar '{name}' is not named {SIDECAR_PREFIX}*.safetensors at the top of the output")
+    geometry = manifest.geometry
+    stored = FOLD_DTYPE_NAMES.get(manifest.fold_dtype)
+    if stored is None:
+        bad(f"fold dtype {manifest.fold_dtype!r} is not one of {', '.join(FOLD_DTYPE_NAMES)}")
+    for layer in geometry.layers:
+        if layer.q_fold not in manifest.tensors:
+            bad(f"MLA layer {layer.index} has no fold '{layer.q_fold}'", layer.q_fold)
+    layer_folds = {layer.q_fold for layer in geometry.layers}
+    for name, tensor in manifest.tensors.items():
+        if name not in layer_folds:
+            bad(f"fold '{name}' belongs to no MLA layer of the manifest's geometry", name)
+        if tensor.file not in manifest.sidecars:
+            bad(f"tensor '{name}' is said to be in '{tensor.file}', which is not a listed sidecar", name)
+        if tensor.shape != geometry.fold_shape or (stored is not None and tensor.dtype != stored):
+            bad(f"fold '{name}' is {tensor.dtype}{list(tensor.shape)}, the geometry and fold dtype imply "
+                f"{stored}{list(geometry.fold_shape)}", name)  # fmt: skip
+        if len(tensor.head_sha256) != geometry.num_heads or not all(map(is_sha256, tensor.head_sha256)):
+            bad(f"tensor '{name}': head_sha256 must be {geometry.num_heads} sha256 hex digests, one per head", name)
+        for source in tensor.sources:
+            if source.file not in manifest.source_files:
+                bad(f"tensor '{name}': its source '{source.name}' is in '{source.file}', not a listed source file", name)
+            if not is_sha256(source.sha256):
+                bad(f"tensor '{name}': source '{source.name}' has an invalid sha256 {source.sha256!r}", name)
+    return problems
+
+
+def file_problems(out_dir: Path, manifest: Manifest) -> list[Problem]:
+    """Every listed file exists with its recorded size; no unlisted safetensors file lies beside them.
+    Only call once :func:`manifest_problems` found nothing (file names may be unsafe)."""
+    problems: list[Problem] = []
+    for name, record in manifest.files.items():
+        path = out_dir / name
+        if not path.is_file():
+            what = "listed in foldckpt.json but missing" if not path.exists() else "not a regular file"
+            problems.append(Problem(name, what))
+        elif name in manifest.sidecars and path.is_symlink():
+            problems.append(Problem(name, "a symlink; convert writes sidecars in place (copy the directory with cp -rL)"))
+        elif (size := path.stat().st_size) != record.size:
+            problems.append(Problem(name, f"size {size} bytes, {MANIFEST_NAME} records {record.size} (truncated or replaced?)"))
+    for path in sorted(out_dir.glob("*.safetensors")):
+        if path.name.startswith(".") or path.name in manifest.files:
+            continue
+        kind = "sidecar" if path.name.startswith(SIDECAR_PREFIX) else "safetensors file"
+        problems.append(Problem(path.name, f"stray {kind} not listed in {MANIFEST_NAME}"))
+    return problems
+
+
+def sidecar_headers(out_dir: Path, manifest: Manifest) -> tuple[dict[str, SafetensorsHeader], list[Problem]]:
+    """The validated header of every sidecar, and whatever disagrees with the manifest."""
+    problems: list[Problem] = []
+    headers: dict[str, SafetensorsHeader] = {}
+    for name in manifest.sidecars:
+        try:
+            header = read_header(out_dir / name)
+        except FoldckptError as exc:
+            problems.append(Problem.of(out_dir, exc, name))
+            continue
+        headers[name] = header
+        listed = {t.name: t for t in manifest.tensors.values() if t.file == name}
+        for tensor_name in sorted(set(header.tensors) - set(listed)):
+            problems.append(Problem(name, f"tensor '{tensor_name}' is not in {MANIFEST_NAME}", tensor_name))
+        for tensor_name, tensor in listed.items():
+            info = header.tensors.get(tensor_name)
+            if info is None:
+                problems.append(Problem(name, f"tensor '{tensor_name}' listed by {MANIFEST_NAME} is missing", tensor_name))
+            elif (info.dtype, info.shape) != (tensor.dtype, tensor.shape):
+                problems.append(Problem(
+                    name, f"tensor '{tensor_name}' is {info.dtype}{list(info.shape)}, "
+                    f"{MANIFEST_NAME} says {tensor.dtype}{list(tensor.shape)}", tensor_name,
+                ))  # fmt: skip
+    return headers, problems
+
+
+def config_problems(out_dir: Path, manifest: Manifest) -> list[Problem]:
+    """``config.json`` must describe exactly the model the manifest was made for."""
+    try:
+        geometry = read_geometry(out_dir)
+    except FoldckptError as exc:
+        return [Problem.of(out_dir, exc, CONFIG_NAME)]
+    diffs = manifest.geometry.differences(geometry)
+    if not diffs:
+        return []
+    return [Problem(CONFIG_NAME, f"describes another model than {MANIFEST_NAME} was made for ({'; '.join(diffs)})")]
+
+
+def check_served(out_dir: Path, manifest: Manifest, remedy: str = "") -> dict[str, SafetensorsHeader]:
+    """What the serving loader checks before any weight is read: all of the above; raises the first
+    problem as a :class:`FoldckptError` naming its file (and tensor). Returns the sidecar headers."""
+    out_dir = Path(out_dir)
+    for stage in (manifest_problems(manifest), file_problems(out_dir, manifest), config_problems(out_dir, manifest)):
+        if stage:
+            raise stage[0].error(out_dir, remedy)
+    headers, problems = sidecar_headers(out_dir, manifest)
+    if problems:
+        raise problems[0].error(out_dir, remedy)
+    return headers
