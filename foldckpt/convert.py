@@ -36,6 +36,7 @@ from foldckpt.manifest import (
     FileRecord,
     FoldTensor,
     Manifest,
+    listed_files,
     read_manifest,
     write_manifest,
 )
@@ -156,17 +157,17 @@ def _prepare_out_dir(model_dir: Path, out_dir: Path, key: str, options: ConvertO
     journal_path = out_dir / JOURNAL_NAME
     discard = options.restart or options.overwrite
     if (out_dir / MANIFEST_NAME).exists():
-        manifest = read_manifest(out_dir)
-        previous = manifest.parameters.get("run_key")
-        if previous == key and not discard:
-            journal_path.unlink(missing_ok=True)
-            return None
-        if not discard:
+        if discard:  # whatever the manifest is (another format, edited): it only names what to remove
+            _clear_previous_run(out_dir, listed_files(out_dir))
+        else:
+            manifest = read_manifest(out_dir)
+            if manifest.parameters.get("run_key") == key:
+                journal_path.unlink(missing_ok=True)
+                return None
             raise FoldckptError(
                 f"{out_dir}: holds a finished conversion of other inputs or parameters; "
                 "pass --restart to replace it"
             )
-        _clear_previous_run(out_dir, manifest.source_files)
     elif journal_path.exists():
         journal = Journal.load(journal_path)
         if journal.run_key == key and not discard:

@@ -232,6 +232,16 @@ def file_sha256(out_dir: Path) -> str:
     return hashlib.sha256(_read_raw(Path(out_dir) / MANIFEST_NAME, Path(out_dir))).hexdigest()
 
 
+def listed_files(out_dir: Path) -> list[str]:
+    """The file names any foldckpt manifest in ``out_dir`` lists (format 1 included; nothing when it
+    cannot be parsed): what ``convert --restart`` removes. Trusts nothing else in it."""
+    try:
+        data = json.loads(_read_raw(Path(out_dir) / MANIFEST_NAME, Path(out_dir))[:_MAX_MANIFEST_BYTES])
+        return [name for name in data.get("source_files", {}) if isinstance(name, str)]
+    except (FoldckptError, ValueError, AttributeError, TypeError):
+        return []
+
+
 def read_manifest(out_dir: Path, expect_sha256: str | None = None) -> Manifest:
     """Load ``foldckpt.json`` and prove it is unedited: its own digest, its exact encoding, and (when
     ``expect_sha256`` is given) the pinned file sha256. Raises :class:`ManifestError` for any defect

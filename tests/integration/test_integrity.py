@@ -459,3 +459,18 @@ def test_verify_deep_runs_in_bounded_address_space_whatever_the_file_sizes(make_
     run = _verify_deep(tmp_path / "big", limit)
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     assert "verified in" in run.stdout
+
+
+def test_an_output_of_manifest_format_1_is_refused_then_replaced_by_restart(converted: Converted) -> None:
+    model_dir, out_dir = converted("deepseek_v3")
+    path = out_dir / MANIFEST_NAME
+    data = json.loads(path.read_bytes())
+    del data["manifest_sha256"]
+    data.update(format_version=1, tp_sizes=[1, 2, 4, 8])
+    path.write_text(json.dumps(data, indent=2))
+    for attempt in (lambda: open_fold_set(out_dir), lambda: convert(model_dir, out_dir, ConvertOptions(progress=False))):
+        with pytest.raises(FoldckptError, match="manifest format 1 .* reconvert") as caught:
+            attempt()
+        assert not isinstance(caught.value, ManifestError)  # unusable input (exit 2), not a failed check
+    convert(model_dir, out_dir, ConvertOptions(progress=False, restart=True))
+    assert read_manifest(out_dir).format_version == 2 and check(out_dir).ok
