@@ -162,6 +162,8 @@ def _print_convert(result: ConvertResult) -> None:
     placed = ", ".join(f"{count} {how}" for how, count in sorted(result.placed.items())) or "none"
     folded = _layer_list(result, "folded")
     click.echo(f"folded     {result.layers_folded} of {result.layers_total} MLA layer(s)" + (f": {folded}" if folded else ""))
+    if result.repaired:
+        click.echo(f"repaired   {', '.join(result.repaired)}: missing or damaged in OUT_DIR, placed or folded again")
     if result.layers_resumed:
         click.echo(f"resumed    {result.layers_resumed} layer(s) folded by the interrupted run: {_layer_list(result, 'resumed')}")
     for name, size in result.sidecars.items():

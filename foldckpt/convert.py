@@ -8,6 +8,7 @@ an uninterrupted one; the manifest is written last and its presence means "finis
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -17,10 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from foldckpt.checkpoint import stays_inside
+from foldckpt.checkpoint import INDEX_NAME, stays_inside
 from foldckpt.defaults import ACCUMULATION_DTYPE, DEFAULT_FOLD_DTYPE
 from foldckpt.errors import FoldckptError
 from foldckpt.files import (
+    atomic_output,
+    exclusive_lock,
+    fingerprint,
     is_tmp_path,
     os_error,
     place_file,
@@ -30,7 +34,7 @@ from foldckpt.files import (
     worker_pool,
 )
 from foldckpt.hub import ModelSource
-from foldckpt.journal import JOURNAL_NAME, Journal, run_key
+from foldckpt.journal import JOURNAL_NAME, Journal, ShardProgress, run_key
 from foldckpt.manifest import (
     MANIFEST_NAME,
     FileRecord,
@@ -99,6 +103,8 @@ class ConvertResult:
     layers: tuple[LayerOutcome, ...] = ()
     model: str = ""
     source: dict[str, Any] | None = None
+    # Files of OUT_DIR found missing or damaged by this run and placed or written again.
+    repaired: tuple[str, ...] = ()
 
     @property
     def worst_layer(self) -> LayerOutcome | None:
@@ -147,13 +153,165 @@ def _holds_foreign_files(out_dir: Path) -> bool:
         raise os_error(out_dir, exc, "listing the output directory") from None
 
 
-def _prepare_out_dir(model_dir: Path, out_dir: Path, key: str, options: ConvertOptions) -> Journal | None:
-    """Decide between a fresh run, a resume, or "already done" (returns None); refuse the rest."""
+def _generated_files(plan: ConversionPlan) -> dict[str, bytes]:
+    """Files OUT_DIR gets that MODEL_DIR lacks. A source without a safetensors index (a single
+    ``model.safetensors``, or shards without an index) gets one listing its own weights: without
+    it vLLM loads every top-level ``*.safetensors``, the sidecars included, and fails on the fold
+    names; with it vLLM (and transformers) load only the files the index lists."""
+    if plan.source.index_path is not None:
+        return {}
+    weight_map = dict(sorted(plan.source.weight_map.items()))
+    total = sum(plan.source.headers[file].tensors[name].nbytes for name, file in weight_map.items())
+    index = {"metadata": {"total_size": total, "generated_by": "foldckpt"}, "weight_map": weight_map}
+    return {INDEX_NAME: (json.dumps(index, indent=2) + "\n").encode()}
+
+
+def _check_overlap(model_dir: Path, out_dir: Path) -> None:
     source, target = model_dir.resolve(), out_dir.resolve()
     if target == source or target.is_relative_to(source) or source.is_relative_to(target):
         raise FoldckptError(
             f"{out_dir}: the output must not be, contain, or lie inside the model directory {model_dir}"
         )
+
+
+def _hard_link_note(out_path: Path, src_path: Path) -> str:
+    out_fp, src_fp = fingerprint(out_path), fingerprint(src_path)
+    if out_fp is not None and src_fp is not None and out_fp[:2] == src_fp[:2]:
+        return f" ({out_path} is a hard link of it: editing either edits both)"
+    return ""
+
+
+def _changed_source(out_dir: Path, src_path: Path, name: str, recorded: str, finished: bool) -> FoldckptError:
+    what = "finished conversion" if finished else "unfinished conversion"
+    advice = "pass --restart to reconvert" if finished else "refusing to mix results: pass --restart to start over"
+    return FoldckptError(
+        f"{src_path}: changed since {out_dir} was converted from it (sha256 recorded {recorded[:16]}…)"
+        f"{_hard_link_note(out_dir / name, src_path)}; {out_dir} holds a {what} of the earlier bytes; "
+        f"restore the file, or {advice}"
+    )
+
+
+def _holds(path: Path, cheap: bool, sha256: str | None) -> bool:
+    """Whether ``path`` holds the bytes whose sha256 is recorded: ``cheap`` evidence (an unchanged
+    fingerprint) is trusted, else the file is hashed."""
+    if not path.is_file():
+        return False
+    if cheap:
+        return True
+    return sha256 is not None and sha256_file(path) == sha256
+
+
+def _recheck_journal(plan: ConversionPlan, out_dir: Path, journal: Journal, generated: dict[str, bytes]) -> list[str]:
+    """Check that every file the journal says is placed still holds the recorded bytes, in OUT_DIR
+    and in MODEL_DIR (fingerprints first, sha256 where they differ). What is damaged in OUT_DIR
+    only is dropped from the journal, to be placed (and hashed) again: returns those names. A
+    source that changed after it was hashed (folds may come from it) is refused, naming it."""
+    model_dir = plan.source.model_dir
+    redo: list[str] = []
+    for name in list(journal.placed):
+        prints = journal.fingerprints.get(name, {})
+        record = journal.source_hashes.get(name)
+        sha = record["sha256"] if record else None
+        out_path, src_path = out_dir / name, model_dir / name
+        out_now = fingerprint(out_path)
+        out_ok = _holds(out_path, out_now is not None and out_now == prints.get("out"), sha)
+        if name in generated:
+            out_ok = out_ok and out_path.read_bytes() == generated[name]
+            src_ok = True
+        else:
+            src_now = fingerprint(src_path)
+            if src_now is not None and out_now is not None and src_now[:2] == out_now[:2]:
+                src_ok = out_ok  # one inode: the same bytes
+            else:
+                src_ok = _holds(src_path, src_now is not None and src_now == prints.get("src"), sha)
+        if sha is not None and not src_ok:
+            raise _changed_source(out_dir, src_path, name, sha, finished=False)
+        if not (out_ok and src_ok):
+            for table in (journal.placed, journal.source_hashes, journal.fingerprints):
+                table.pop(name, None)
+            redo.append(name)
+        elif sha is not None:  # e.g. touched, same bytes: trust the new fingerprints from now on
+            journal.fingerprints[name] = {"out": out_now, "src": None if name in generated else fingerprint(src_path)}
+    for shard in plan.shards:  # a finished sidecar edited or replaced since: fold it again
+        progress = journal.shards.get(shard.name)
+        path = out_dir / shard.name
+        if progress is None or progress.done is None or not path.exists():
+            continue
+        now = fingerprint(path)
+        if not _holds(path, now == journal.fingerprints.get(shard.name, {}).get("out"), progress.done["sha256"]):
+            journal.shards[shard.name] = ShardProgress()
+            journal.fingerprints.pop(shard.name, None)
+            path.unlink()
+            redo.append(shard.name)
+    return redo
+
+
+def _how_placed(out_path: Path, src_path: Path) -> str:
+    if out_path.is_symlink():
+        return "symlink"
+    out_fp, src_fp = fingerprint(out_path), fingerprint(src_path)
+    return "hard" if out_fp and src_fp and out_fp[:2] == src_fp[:2] else "copy"
+
+
+def _recheck_manifest(
+    plan: ConversionPlan, out_dir: Path, manifest: Manifest, key: str, generated: dict[str, bytes]
+) -> tuple[Journal | None, list[str]]:
+    """A finished output of this very run key: check that every file it vouches for still holds
+    the recorded bytes. A file whose inode changed (ctime) after the manifest was written is
+    hashed; the others are trusted on their size. Returns (None, []) when all is intact; else a
+    journal that redoes only what is damaged in OUT_DIR, and the damaged names. A source changed
+    in MODEL_DIR is refused, naming it."""
+    model_dir = plan.source.model_dir
+    stat = (out_dir / MANIFEST_NAME).stat()
+    since = min(stat.st_mtime_ns, stat.st_ctime_ns)
+
+    def quiet(path: Path, size: int) -> bool:  # unchanged since the manifest was written
+        now = fingerprint(path)
+        return now is not None and now[2] == size and now[4] < since
+
+    journal = Journal(out_dir / JOURNAL_NAME, key)
+    damaged: list[str] = []
+    for name, record in manifest.source_files.items():
+        out_path, src_path = out_dir / name, model_dir / name
+        out_ok = _holds(out_path, quiet(out_path, record.size), record.sha256)
+        if name in generated:
+            out_ok = out_ok and out_path.read_bytes() == generated[name]
+        else:
+            out_fp, src_fp = fingerprint(out_path), fingerprint(src_path)
+            same_inode = out_fp is not None and src_fp is not None and out_fp[:2] == src_fp[:2]
+            src_ok = out_ok if same_inode else _holds(src_path, quiet(src_path, record.size), record.sha256)
+            if not src_ok:
+                raise _changed_source(out_dir, src_path, name, record.sha256, finished=True)
+        if not out_ok:
+            damaged.append(name)
+            continue
+        journal.placed[name] = "generated" if name in generated else _how_placed(out_path, src_path)
+        journal.source_hashes[name] = record.to_dict()
+        journal.fingerprints[name] = {"out": fingerprint(out_path), "src": fingerprint(src_path)}
+    for name, record in manifest.sidecars.items():
+        path = out_dir / name
+        if not _holds(path, quiet(path, record.size), record.sha256):
+            damaged.append(name)
+            continue
+        progress = journal.shard(name)
+        progress.offset, progress.done = record.size, record.to_dict()
+        progress.tensors = {t.name: t.to_dict() for t in manifest.tensors.values() if t.file == name}
+        journal.fingerprints[name] = {"out": fingerprint(path)}
+    if not damaged:
+        return None, []
+    journal.save()  # before the manifest goes: OUT_DIR must always read as ours
+    (out_dir / MANIFEST_NAME).unlink()
+    for name in damaged:
+        if name in manifest.sidecars:
+            (out_dir / name).unlink(missing_ok=True)
+    return journal, damaged
+
+
+def _prepare_out_dir(
+    plan: ConversionPlan, out_dir: Path, key: str, generated: dict[str, bytes], options: ConvertOptions
+) -> tuple[Journal | None, list[str]]:
+    """Decide between a fresh run, a resume (or repair), or "already done" (returns None, []);
+    refuse the rest. Returns the journal and the names found damaged (to be redone)."""
     journal_path = out_dir / JOURNAL_NAME
     discard = options.restart or options.overwrite
     if (out_dir / MANIFEST_NAME).exists():
@@ -163,7 +321,7 @@ def _prepare_out_dir(model_dir: Path, out_dir: Path, key: str, options: ConvertO
             manifest = read_manifest(out_dir)
             if manifest.parameters.get("run_key") == key:
                 journal_path.unlink(missing_ok=True)
-                return None
+                return _recheck_manifest(plan, out_dir, manifest, key, generated)
             raise FoldckptError(
                 f"{out_dir}: holds a finished conversion of other inputs or parameters; "
                 "pass --restart to replace it"
@@ -171,7 +329,9 @@ def _prepare_out_dir(model_dir: Path, out_dir: Path, key: str, options: ConvertO
     elif journal_path.exists():
         journal = Journal.load(journal_path)
         if journal.run_key == key and not discard:
-            return journal
+            redo = _recheck_journal(plan, out_dir, journal, generated)
+            journal.save()
+            return journal, redo
         if not discard:
             raise FoldckptError(
                 f"{out_dir}: holds an unfinished conversion of other inputs or parameters; "
@@ -182,13 +342,9 @@ def _prepare_out_dir(model_dir: Path, out_dir: Path, key: str, options: ConvertO
         raise FoldckptError(
             f"{out_dir}: not empty and not a foldckpt output; choose an empty directory or pass --overwrite"
         )
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise os_error(out_dir, exc, "creating the output directory") from None
     journal = Journal(journal_path, key)
     journal.save()  # before any other file: a killed run must leave an OUT_DIR that reads as ours
-    return journal
+    return journal, []
 
 
 def _check_free_space(plan: ConversionPlan, out_dir: Path, journal: Journal, link: str) -> None:
@@ -207,7 +363,11 @@ def _check_free_space(plan: ConversionPlan, out_dir: Path, journal: Journal, lin
         )
 
 
-def _place_sources(plan: ConversionPlan, out_dir: Path, journal: Journal, options: ConvertOptions) -> None:
+def _place_sources(
+    plan: ConversionPlan, out_dir: Path, journal: Journal, options: ConvertOptions, generated: dict[str, bytes]
+) -> None:
+    """Place every source file (and write the generated ones), journaling each with the
+    fingerprints that later runs check it against."""
     todo = [n for n in plan.files_to_place if not (n in journal.placed and (out_dir / n).exists())]
     total = sum((plan.source.model_dir / n).stat().st_size for n in todo)
     with progress_bar(total, "placing sources", "B", options.progress) as bar:
@@ -216,7 +376,16 @@ def _place_sources(plan: ConversionPlan, out_dir: Path, journal: Journal, option
             how = place_file(plan.source.model_dir / name, out_dir / name, options.link, progress=None)
             bar.update(size)
             journal.placed[name] = how
+            journal.fingerprints[name] = {"out": fingerprint(out_dir / name), "src": fingerprint(plan.source.model_dir / name)}
             journal.save()
+    for name, data in generated.items():
+        if name in journal.placed and (out_dir / name).exists():
+            continue
+        with atomic_output(out_dir / name) as handle:
+            handle.write(data)
+        journal.placed[name] = "generated"
+        journal.fingerprints[name] = {"out": fingerprint(out_dir / name), "src": None}
+        journal.save()
 
 
 def _write_shard(
@@ -253,6 +422,8 @@ def _write_shard(
         progress.done = writer.finish().to_dict()
         journal.save()
         writer.commit()
+        journal.fingerprints[shard.name] = {"out": fingerprint(out_dir / shard.name)}
+        journal.save()
     finally:
         writer.close()
     return folded
@@ -261,7 +432,7 @@ def _write_shard(
 def _hash_sources(plan: ConversionPlan, out_dir: Path, journal: Journal, options: ConvertOptions) -> None:
     """Hash every placed source file in parallel, largest first so that no big shard starts last
     and runs alone; each digest is journaled as it lands."""
-    sizes = {n: (out_dir / n).stat().st_size for n in plan.files_to_place if n not in journal.source_hashes}
+    sizes = {n: (out_dir / n).stat().st_size for n in journal.placed if n not in journal.source_hashes}
     workers = options.workers or os.cpu_count() or 1
     with (
         progress_bar(sum(sizes.values()), "hashing sources", "B", options.progress) as bar,
@@ -275,7 +446,8 @@ def _hash_sources(plan: ConversionPlan, out_dir: Path, journal: Journal, options
 
 
 def _manifest(
-    plan: ConversionPlan, journal: Journal, parameters: dict[str, Any], source: dict[str, Any] | None
+    plan: ConversionPlan, journal: Journal, parameters: dict[str, Any], source: dict[str, Any] | None,
+    generated: tuple[str, ...] = (),
 ) -> Manifest:
     tensors = {
         name: FoldTensor.from_dict(name, record)
@@ -289,9 +461,10 @@ def _manifest(
         accumulation_dtype=ACCUMULATION_DTYPE,
         tensors=ordered,
         sidecars={s.name: FileRecord(**journal.shard(s.name).done) for s in plan.shards},
-        source_files={n: FileRecord(**journal.source_hashes[n]) for n in plan.files_to_place},
+        source_files={n: FileRecord(**journal.source_hashes[n]) for n in (*plan.files_to_place, *generated)},
         parameters=parameters,
         source=source,
+        generated_files=generated,
     )
 
 
@@ -324,9 +497,26 @@ def convert(
     plan = plan_conversion(model_dir, options.fold_dtype, options.max_shard_size, options.tp_sizes)
     parameters = _output_parameters(plan, options)
     # The manifest records where a Hub model came from, so that identity is part of the run too.
-    key = run_key(model_dir, plan.files_to_place, parameters if source is None else {**parameters, "source": source})
+    generated = _generated_files(plan)
+    key = run_key([*plan.files_to_place, *generated], parameters if source is None else {**parameters, "source": source})
     sidecars = {shard.name: shard.size for shard in plan.shards}
-    journal = _prepare_out_dir(model_dir, out_dir, key, options)
+    _check_overlap(model_dir, out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FoldckptError(f"{out_dir}: exists and is not a directory; choose a directory for the output")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise os_error(out_dir, exc, "creating the output directory") from None
+    with exclusive_lock(out_dir):  # for the whole run: a second convert into OUT_DIR is refused
+        return _convert_locked(plan, origin, out_dir, options, key, parameters, generated, sidecars, started)
+
+
+def _convert_locked(
+    plan: ConversionPlan, origin: ModelSource, out_dir: Path, options: ConvertOptions, key: str,
+    parameters: dict[str, Any], generated: dict[str, bytes], sidecars: dict[str, int], started: float,
+) -> ConvertResult:  # fmt: skip
+    source = origin.to_dict()
+    journal, repaired = _prepare_out_dir(plan, out_dir, key, generated, options)
     if journal is None:
         manifest = read_manifest(out_dir)
         layers = _outcomes(plan, manifest, {layer.output.name: "up_to_date" for layer in plan.layers})
@@ -338,7 +528,10 @@ def convert(
     remove_stale_tmp_files(out_dir, keep={tmp_path_for(out_dir / name) for name in journal.shards})
     _check_free_space(plan, out_dir, journal, options.link)
 
-    _place_sources(plan, out_dir, journal, options)
+    _place_sources(plan, out_dir, journal, options, generated)
+    # Hashed before folding: a resumed run can then tell, file by file, whether the bytes its
+    # earlier folds came from are still there (and refuse, naming the file, when not).
+    _hash_sources(plan, out_dir, journal, options)
     folded: list[str] = []
     with (
         worker_pool(options.workers or os.cpu_count() or 1) as pool,
@@ -349,10 +542,15 @@ def convert(
                 bar.update(len(shard.layers))
                 continue
             folded += _write_shard(plan, shard, out_dir, journal, options, pool, bar)
-    _hash_sources(plan, out_dir, journal, options)
+    changed = _recheck_journal(plan, out_dir, journal, generated)  # a change while this run folded
+    if changed:
+        journal.save()
+        raise FoldckptError(
+            f"{out_dir / changed[0]}: changed while this conversion ran; rerun the same command to redo it"
+        )
 
     parameters["run_key"] = key
-    manifest = _manifest(plan, journal, parameters, source)
+    manifest = _manifest(plan, journal, parameters, source, tuple(generated))
     write_manifest(out_dir, manifest)
     journal.path.unlink(missing_ok=True)
     placed: dict[str, int] = {}
@@ -373,4 +571,5 @@ def convert(
         layers=layers,
         model=origin.label,
         source=source,
+        repaired=tuple(repaired),
     )

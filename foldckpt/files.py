@@ -10,6 +10,7 @@ a name that verify or vLLM would read. Disk-full and file-too-large errors becom
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -190,3 +191,58 @@ def remove_stale_tmp_files(folder: Path, keep: set[Path] = frozenset()) -> list[
     for path in stale:
         path.unlink(missing_ok=True)
     return stale
+
+
+def fingerprint(path: Path) -> list[int] | None:
+    """What changes whenever a file's bytes may have changed: device, inode, size, mtime and
+    ctime (ns). ctime cannot be set back by a user: an in-place edit with the mtime restored, or
+    another file renamed over this name, still shows. None when ``path`` does not exist."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _lock_fd(directory: Path) -> int:
+    return os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+
+@contextmanager
+def exclusive_lock(directory: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock (flock) on ``directory`` itself, no lock file: released by
+    the kernel when the process ends, however it ends. A second holder gets a one-line error."""
+    try:
+        fd = _lock_fd(directory)
+    except OSError as exc:
+        raise os_error(directory, exc, "opening the output directory") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FoldckptError(
+                f"{directory}: another foldckpt convert is writing this directory; wait for it to "
+                "finish (or stop it), then rerun"
+            ) from None
+        except OSError:  # a filesystem without flock on directories: convert unlocked
+            pass
+        yield
+    finally:
+        os.close(fd)
+
+
+def is_locked(directory: Path) -> bool:
+    """Whether a foldckpt convert holds ``directory``'s lock right now (see :func:`exclusive_lock`)."""
+    try:
+        fd = _lock_fd(directory)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False

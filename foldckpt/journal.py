@@ -23,19 +23,20 @@ from foldckpt.manifest import FORMAT_VERSION
 JOURNAL_NAME = ".foldckpt-journal.json"
 
 
-def run_key(model_dir: Path, files: tuple[str, ...], parameters: dict[str, Any]) -> str:
-    """Identity of a conversion: same key, same output bytes.
+def run_key(files: tuple[str, ...] | list[str], parameters: dict[str, Any]) -> str:
+    """Identity of a conversion: the tool, the output-shaping parameters and the names of the
+    files OUT_DIR holds.
 
-    Source files are identified by name, size and modification time (hashing terabytes just to
-    decide whether to resume would cost as much as the work itself).
+    The files' bytes are not part of the key: convert checks, file by file, that every placed
+    file still holds the bytes recorded (a fingerprint of device, inode, size, mtime and ctime
+    first, sha256 where it differs), so that a change is named, and a mere ``touch`` costs a
+    rehash of that file rather than a restart.
     """
     identity = {
         "tool_version": __version__,
         "format_version": FORMAT_VERSION,
         "parameters": parameters,
-        "sources": [
-            [name, (st := (model_dir / name).stat()).st_size, st.st_mtime_ns] for name in files
-        ],
+        "sources": sorted(files),
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
@@ -56,6 +57,9 @@ class Journal:
     placed: dict[str, str] = field(default_factory=dict)
     shards: dict[str, ShardProgress] = field(default_factory=dict)
     source_hashes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # name -> {"out": fingerprint of OUT_DIR/name, "src": of MODEL_DIR/name} when it was placed
+    # (sidecars: when finished); see foldckpt.files.fingerprint.
+    fingerprints: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def save(self) -> None:
         atomic_write_json(
@@ -68,6 +72,7 @@ class Journal:
                     for name, s in self.shards.items()
                 },
                 "source_hashes": self.source_hashes,
+                "fingerprints": self.fingerprints,
             },
         )
 
@@ -87,6 +92,7 @@ class Journal:
                     for name, s in data["shards"].items()
                 },
                 source_hashes=dict(data["source_hashes"]),
+                fingerprints=dict(data.get("fingerprints", {})),
             )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise FoldckptError(

@@ -42,7 +42,7 @@ from foldckpt.checkpoint import INDEX_NAME, SourceCheckpoint, open_source_checkp
 from foldckpt.consistency import Problem, config_problems, file_problems, manifest_problems, sidecar_headers
 from foldckpt.defaults import DEFAULT_MAX_SHARD_SIZE
 from foldckpt.errors import FoldckptError, ManifestError
-from foldckpt.files import sha256_file, worker_pool
+from foldckpt.files import is_locked, sha256_file, worker_pool
 from foldckpt.hashing import (
     HashJob,
     RangeCheck,
@@ -475,6 +475,10 @@ def verify(out_dir: Path, options: VerifyOptions = VerifyOptions()) -> VerifyRep
         raise FoldckptError(f"{out_dir}: not a directory" if out_dir.exists() else f"{out_dir}: no such directory")
     if not os.access(out_dir, os.R_OK | os.X_OK):
         raise FoldckptError(f"{out_dir}: permission denied; cannot read the directory")
+    if is_locked(out_dir):
+        raise FoldckptError(
+            f"{out_dir}: a foldckpt convert is writing this directory right now; verify it once that has finished"
+        )
     try:
         manifest = read_manifest(out_dir, options.expect_manifest_sha256)
     except ManifestError as exc:  # an edited, damaged or unpinned manifest: verification fails

@@ -306,7 +306,7 @@ def test_progress_lines_are_periodic_not_per_update(kimi: Path, tmp_path: Path) 
     """At the default interval (10 s) a run this short prints one closing line per stage."""
     run = run_foldckpt("convert", kimi, tmp_path / "out")
     assert run.returncode == 0, run.stderr
-    assert [line.split(":")[0] for line in run.stderr.splitlines()] == ["placing sources", "folding", "hashing sources"]
+    assert [line.split(":")[0] for line in run.stderr.splitlines()] == ["placing sources", "hashing sources", "folding"]
 
 
 def test_convert_and_verify_json_need_no_progress_flag(make_model: Callable[..., Path], tmp_path: Path) -> None:
