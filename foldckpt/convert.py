@@ -34,6 +34,7 @@ from foldckpt.files import (
     worker_pool,
 )
 from foldckpt.hub import ModelSource
+from foldckpt.inspect import FoldedLayer
 from foldckpt.journal import JOURNAL_NAME, Journal, ShardProgress, run_key
 from foldckpt.manifest import (
     MANIFEST_NAME,
@@ -72,20 +73,12 @@ class ConvertOptions:
 
 
 @dataclass(frozen=True)
-class LayerOutcome:
-    """One MLA layer of the result: its config index, sidecar, error vs fp64, and whether this run
-    folded it (``folded``), an earlier interrupted run did (``resumed``), or the output was already
-    complete (``up_to_date``)."""
+class LayerOutcome(FoldedLayer):
+    """One MLA layer of the result (what ``inspect`` shows of it) and whether this run folded it
+    (``folded``), an earlier interrupted run did (``resumed``), or the output was already complete
+    (``up_to_date``)."""
 
-    index: int
-    is_mtp: bool
-    tensor: str
-    sidecar: str
-    rel_fro_error: float
     status: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 @dataclass(frozen=True)

@@ -438,7 +438,7 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
                 f"{off} element(s) beyond one rounding of the fp64 fold)", record.name,
             ))  # fmt: skip
     bar.close()
-    rounding = f", every element within one rounding of fp64" if dtype in (torch.bfloat16, torch.float16) else ""
+    rounding = ", every element within one rounding of fp64" if dtype in (torch.bfloat16, torch.float16) else ""
     summary = (
         f"{len(chosen)}/{len(plan.layers)} layer(s) recomputed: {bitwise} bitwise identical, "
         f"{len(chosen) - bitwise} within {tolerance:.1e} of fp64 (worst {worst_error:.1e}){rounding}; "
