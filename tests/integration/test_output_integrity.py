@@ -31,7 +31,6 @@ from foldckpt.journal import JOURNAL_NAME
 from foldckpt.manifest import MANIFEST_NAME, read_manifest
 from foldckpt.safetensors_format import read_header
 from foldckpt.synthetic import make_checkpoint
-from foldckpt.verify import VerifyOptions, verify
 from tests.conftest import run_foldckpt
 from tests.integration.test_resume import (
     CONVERT_ARGS,
