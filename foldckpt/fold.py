@@ -12,12 +12,17 @@ as the reference the error statistics are measured against.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from foldckpt.errors import FoldckptError
 from foldckpt.geometry import Geometry
+
+# OCP float8_e4m3fn's largest finite value.
+FP8_MAX = 448.0
 
 # Heads folded per matmul: bounds the fp32 working set to a few MB per head regardless of H.
 _HEADS_PER_CHUNK = 8
@@ -63,23 +68,80 @@ def _fold_heads(q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry) -> torch.Ten
     return torch.cat([ql_nope, q_b[:, p:, :]], dim=1)
 
 
-def fold_layer(
-    q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, out_dtype: torch.dtype = torch.bfloat16
-) -> torch.Tensor:
-    """The head-major fold ``[H*(L+R), Lq]`` of one layer: fp32 accumulation, one rounding.
-
-    The products are written straight into the output (the copy is the single rounding), and the
-    rope rows are copied, so the fp32 working set is one chunk of heads.
-    """
+def fold_chunks(
+    q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, device: torch.device | str = "cpu"
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """The exact fp32 fold, ``_HEADS_PER_CHUNK`` heads at a time: ``(heads, [n, L+R, Lq] fp32)`` on
+    ``device``. Every stored fold dtype is one rounding of these values, so the fp32 working set is
+    one chunk of heads whatever H is, and a GPU runs the same algorithm (fp32 inputs and
+    accumulation; TF32 is switched off for the duration)."""
     q_heads, kv_heads = _per_head(q_b, kv_b, g)
-    p, lora = g.qk_nope_head_dim, g.kv_lora_rank
+    p = g.qk_nope_head_dim
+    with _ieee_fp32_matmul(torch.device(device)):
+        for start in range(0, g.num_heads, _HEADS_PER_CHUNK):
+            chunk = slice(start, min(start + _HEADS_PER_CHUNK, g.num_heads))
+            q = q_heads[chunk].to(device=device, dtype=torch.float32)
+            w_uk_t = kv_heads[chunk, :p].to(device=device, dtype=torch.float32).transpose(1, 2)  # [n, L, P]
+            yield chunk, torch.cat([torch.matmul(w_uk_t, q[:, :p]), q[:, p:]], dim=1)
+
+
+@contextmanager
+def _ieee_fp32_matmul(device: torch.device) -> Iterator[None]:
+    if device.type != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def fold_layer(
+    q_b: torch.Tensor,
+    kv_b: torch.Tensor,
+    g: Geometry,
+    out_dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """The head-major fold ``[H*(L+R), Lq]`` of one layer on the CPU: fp32 accumulation (on
+    ``device``), one rounding to ``out_dtype``."""
     out = torch.empty(g.num_heads, g.fold_head_dim, g.q_lora_rank, dtype=out_dtype)
-    out[:, lora:] = q_heads[:, p:]
-    for start in range(0, g.num_heads, _HEADS_PER_CHUNK):
-        chunk = slice(start, start + _HEADS_PER_CHUNK)
-        w_uk_t = kv_heads[chunk, :p].transpose(1, 2).to(torch.float32)  # [n, L, P]
-        out[chunk, :lora] = torch.matmul(w_uk_t, q_heads[chunk, :p].to(torch.float32))
+    for chunk, exact in fold_chunks(q_b, kv_b, g, device):
+        out[chunk] = exact.to(out_dtype).cpu()
     return out.reshape(g.fold_shape)
+
+
+def quantize_fp8_rows(exact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP e4m3 values and an fp32 scale per row (last dim) with ``values * scale ≈ exact``.
+
+    ``scale = amax(|row|) / 448`` (448 is e4m3's largest finite value; an all-zero row gets 1), and
+    each value is ``exact / scale`` rounded once to e4m3 (round to nearest even). The one
+    definition of the fp8 fold, used by convert, ``verify --deep`` and the benchmarks.
+    """
+    amax = exact.abs().amax(dim=-1).to(torch.float32)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scaled = (exact.to(torch.float32) / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
+    return scaled.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_fp8_rows(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``values * scale`` per row (the inverse of :func:`quantize_fp8_rows`), computed in fp32."""
+    return (values.to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(dtype)
+
+
+def fold_layer_fp8(
+    q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 fold of one layer on the CPU: e4m3 ``[H*(L+R), Lq]`` and its fp32 scale per row
+    ``[H*(L+R)]``, quantized from the fp32 fold (:func:`quantize_fp8_rows`)."""
+    values = torch.empty(g.num_heads, g.fold_head_dim, g.q_lora_rank, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(g.num_heads, g.fold_head_dim, dtype=torch.float32)
+    for chunk, exact in fold_chunks(q_b, kv_b, g, device):
+        chunk_values, chunk_scale = quantize_fp8_rows(exact)
+        values[chunk], scale[chunk] = chunk_values.cpu(), chunk_scale.cpu()
+    return values.reshape(g.fold_shape), scale.reshape(g.fold_shape[0])
 
 
 def reference_fold_heads(
