@@ -41,7 +41,7 @@ from foldckpt.errors import (
 )
 from foldckpt.files import LINK_MODES
 from foldckpt.geometry import describe_layers
-from foldckpt.defaults import DEFAULT_FOLD_DTYPE, DEFAULT_MAX_SHARD_SIZE, FOLD_DTYPE_NAMES
+from foldckpt.defaults import DEFAULT_FOLD_DEVICE, DEFAULT_FOLD_DTYPE, DEFAULT_MAX_SHARD_SIZE, FOLD_DEVICES, FOLD_DTYPE_NAMES
 from foldckpt.progress import human_bytes
 
 if TYPE_CHECKING:
@@ -169,6 +169,11 @@ def _print_convert(result: ConvertResult) -> None:
     for name, size in result.sidecars.items():
         click.echo(f"sidecar    {name}  {human_bytes(size)}")
     click.echo(f"sources    placed: {placed}")
+    if result.io:
+        io = result.io
+        click.echo(f"io         read {human_bytes(io['bytes_read'])} (re-read {human_bytes(io['bytes_reread'])}), "
+                   f"wrote {human_bytes(io['bytes_written'])}, copied {human_bytes(io['bytes_copied'])}; "
+                   f"folded on {result.fold_device}")  # fmt: skip
     click.echo(accuracy)
     click.echo(f"done       {result.out_dir} in {result.elapsed_s:.1f} s; check it with: foldckpt verify {result.out_dir}")
 
@@ -191,12 +196,16 @@ def _print_convert(result: ConvertResult) -> None:
 @click.option("--allow-nonfinite", is_flag=True, help="Fold even if q_b_proj/kv_b_proj contain NaN or Inf.")
 @click.option("--restart", is_flag=True, help="Discard an unfinished (or different) previous run in OUT_DIR.")
 @click.option("--overwrite", is_flag=True, help="Allow a non-empty OUT_DIR that is not a foldckpt output.")
-@click.option("--workers", type=click.IntRange(min=1), default=None, help="Hashing threads (default: one per core).")
+@click.option("--device", type=click.Choice(FOLD_DEVICES), default=DEFAULT_FOLD_DEVICE, show_default=True,
+              help="Where the fold is computed (auto: a GPU when torch sees one); fp32 either way, rounded once.")  # fmt: skip
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Threads hashing the sources (default: two per core, at most 32).")  # fmt: skip
 @click.option("-q", "--quiet", is_flag=True, help="No progress reports.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def convert_command(model_dir: str, out_dir: Path, revision: str | None, fold_dtype: str, max_shard_size: int,
                     tp_sizes: tuple[int, ...] | None, link: str, dry_run: bool, allow_nonfinite: bool,
-                    restart: bool, overwrite: bool, workers: int | None, quiet: bool, as_json: bool) -> None:  # fmt: skip
+                    restart: bool, overwrite: bool, device: str, workers: int | None, quiet: bool,
+                    as_json: bool) -> None:  # fmt: skip
     """Fold every MLA layer of MODEL_DIR into OUT_DIR (resumable; rerun to continue a killed run).
 
     MODEL_DIR is a model directory, or a Hugging Face model id (ORG/NAME, with --revision)
@@ -225,7 +234,7 @@ def convert_command(model_dir: str, out_dir: Path, revision: str | None, fold_dt
     options = ConvertOptions(
         fold_dtype=fold_dtype, max_shard_size=max_shard_size, tp_sizes=tp_sizes, link=link,
         allow_nonfinite=allow_nonfinite, restart=restart, overwrite=overwrite,
-        progress=not quiet and not as_json, workers=workers,
+        progress=not quiet and not as_json, workers=workers, device=device,
     )  # fmt: skip
     _resumable = True
     result = convert(source, out_dir, options)

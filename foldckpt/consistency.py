@@ -8,8 +8,10 @@ a manifest cannot disagree on what "consistent" means:
   fold of the right dtype and shape in a listed sidecar);
 * :func:`file_problems`: the file set: every listed file exists with its recorded size, no stray
   safetensors file or sidecar lies beside them;
-* :func:`sidecar_headers`: every sidecar header parses, tiles its file, and holds exactly the
-  manifest's folds with their dtypes and shapes;
+* :func:`sidecar_headers`: every sidecar header parses, tiles its file, has the recorded sha256
+  and holds exactly the manifest's folds with their dtypes and shapes;
+* :func:`add_head_ranges` / :func:`sidecar_intact`: the head blocks whose digests, with the
+  header's, cover every byte of a sidecar (verify's content level, convert's resume checks);
 * :func:`config_problems`: ``config.json`` gives exactly the manifest's geometry
   (:meth:`Geometry.differences`, the one definition of equality).
 
@@ -19,7 +21,9 @@ Each returns :class:`Problem` records (file relative to the directory, tensor wh
 
 from __future__ import annotations
 
+import hashlib
 import string
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -27,8 +31,10 @@ from typing import Any
 from foldckpt.defaults import FOLD_DTYPE_NAMES, SIDECAR_PREFIX
 from foldckpt.errors import FoldckptError
 from foldckpt.geometry import CONFIG_NAME, read_geometry
-from foldckpt.manifest import MANIFEST_NAME, Manifest
-from foldckpt.safetensors_format import SafetensorsHeader, read_header
+from foldckpt.files import os_error
+from foldckpt.hashing import HashJob, RangeCheck, hash_job
+from foldckpt.manifest import MANIFEST_NAME, FoldTensor, Manifest, SidecarRecord
+from foldckpt.safetensors_format import SafetensorsHeader, TensorInfo, read_header
 
 _HEX = frozenset(string.hexdigits.lower())
 
@@ -87,8 +93,9 @@ def manifest_problems(manifest: Manifest) -> list[Problem]:
                 bad(f"{section}: file name {name!r} escapes the output directory")
             if record.size < 0:
                 bad(f"{section}: '{name}' has a negative size {record.size}")
-            if not is_sha256(record.sha256):
-                bad(f"{section}: '{name}' has sha256 {record.sha256!r}, not 64 lowercase hex digits")
+            digest = record.header_sha256 if isinstance(record, SidecarRecord) else record.sha256
+            if not is_sha256(digest):
+                bad(f"{section}: '{name}' has sha256 {digest!r}, not 64 lowercase hex digits")
     for name in manifest.sidecars:
         if not PurePosixPath(name).name.startswith(SIDECAR_PREFIX) or "/" in name:
             bad(f"sidecar '{name}' is not named {SIDECAR_PREFIX}*.safetensors at the top of the output")
@@ -150,6 +157,11 @@ def sidecar_headers(out_dir: Path, manifest: Manifest) -> tuple[dict[str, Safete
             problems.append(Problem.of(out_dir, exc, name))
             continue
         headers[name] = header
+        if (digest := header_sha256(header)) != manifest.sidecars[name].header_sha256:
+            problems.append(Problem(
+                name, f"header sha256 {digest[:16]}… differs from {manifest.sidecars[name].header_sha256[:16]}… "
+                f"recorded in {MANIFEST_NAME} (the header was edited or replaced)",
+            ))  # fmt: skip
         listed = {t.name: t for t in manifest.tensors.values() if t.file == name}
         for tensor_name in sorted(set(header.tensors) - set(listed)):
             problems.append(Problem(name, f"tensor '{tensor_name}' is not in {MANIFEST_NAME}", tensor_name))
@@ -163,6 +175,45 @@ def sidecar_headers(out_dir: Path, manifest: Manifest) -> tuple[dict[str, Safete
                     f"{MANIFEST_NAME} says {tensor.dtype}{list(tensor.shape)}", tensor_name,
                 ))  # fmt: skip
     return headers, problems
+
+
+def header_sha256(header: SafetensorsHeader) -> str:
+    """sha256 of a safetensors file's header bytes, ``[0, 8 + header length)``."""
+    try:
+        with open(header.path, "rb") as handle:
+            return hashlib.sha256(handle.read(8 + header.header_size)).hexdigest()
+    except OSError as exc:
+        raise os_error(header.path, exc, "hashing the header of") from None
+
+
+def add_head_ranges(
+    job: HashJob, infos: dict[str, TensorInfo], tensors: Iterable[FoldTensor], heads: int, first: int = 0, stop: int | None = None
+) -> None:
+    """Add to ``job`` the head blocks ``[first, stop)`` of every fold in ``tensors`` that ``infos``
+    (the file's header) places, each with its recorded leaf digest."""
+    for tensor in tensors:
+        info = infos.get(tensor.name)
+        if info is None:  # the structure check reports it
+            continue
+        block = info.nbytes // heads
+        for head in range(first, heads if stop is None else stop):
+            start = info.start + head * block
+            job.add(start, start + block, RangeCheck(tensor.name, head, tensor.head_sha256[head]))
+
+
+def sidecar_intact(path: Path, record: SidecarRecord, tensors: Iterable[FoldTensor], heads: int) -> bool:
+    """Whether the sidecar at ``path`` holds exactly the recorded bytes: size, header sha256 and
+    every head block of every fold in it (one read; each byte hashed once)."""
+    try:
+        header = read_header(path)
+    except FoldckptError:
+        return False
+    if header.file_size != record.size or header_sha256(header) != record.header_sha256:
+        return False
+    job = HashJob(path.name, record.size, False)
+    add_head_ranges(job, header.tensors, tensors, heads)
+    _, digests = hash_job(path, job)
+    return all(digests[bound] == check.expected for bound, checks in job.ranges.items() for check in checks)
 
 
 def config_problems(out_dir: Path, manifest: Manifest) -> list[Problem]:

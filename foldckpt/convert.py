@@ -13,13 +13,14 @@ import os
 import shutil
 import time
 from collections.abc import Iterable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from foldckpt.checkpoint import INDEX_NAME, stays_inside
-from foldckpt.defaults import ACCUMULATION_DTYPE, DEFAULT_FOLD_DTYPE
+from foldckpt.consistency import add_head_ranges, sidecar_intact
+from foldckpt.defaults import ACCUMULATION_DTYPE, DEFAULT_FOLD_DEVICE, DEFAULT_FOLD_DTYPE, resolve_fold_device
 from foldckpt.errors import FoldckptError
 from foldckpt.files import (
     atomic_output,
@@ -33,6 +34,7 @@ from foldckpt.files import (
     tmp_path_for,
     worker_pool,
 )
+from foldckpt.hashing import HashJob, default_workers, hash_job
 from foldckpt.hub import ModelSource
 from foldckpt.inspect import FoldedLayer
 from foldckpt.journal import JOURNAL_NAME, Journal, ShardProgress, run_key
@@ -41,6 +43,7 @@ from foldckpt.manifest import (
     FileRecord,
     FoldTensor,
     Manifest,
+    SidecarRecord,
     listed_files,
     read_manifest,
     write_manifest,
@@ -50,11 +53,16 @@ from foldckpt.plan import (
     SIDECAR_METADATA,
     SIDECAR_PREFIX,
     ConversionPlan,
+    LayerPlan,
     ShardPlan,
     plan_conversion,
 )
 from foldckpt.progress import progress_bar
 from foldckpt.sidecar import ShardWriter
+from foldckpt.source_reads import IOCounters, SourceReads
+
+if TYPE_CHECKING:
+    from foldckpt.layer import Fetch
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "ConvertOptions", "ConvertResult", "LayerOutcome", "convert"]
 
@@ -70,6 +78,8 @@ class ConvertOptions:
     overwrite: bool = False
     progress: bool = True
     workers: int | None = None
+    # Where the fold is computed: "cpu", "cuda" or "auto" (a GPU when torch sees one).
+    device: str = DEFAULT_FOLD_DEVICE
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,9 @@ class ConvertResult:
     source: dict[str, Any] | None = None
     # Files of OUT_DIR found missing or damaged by this run and placed or written again.
     repaired: tuple[str, ...] = ()
+    fold_device: str = "cpu"
+    # What this run read, hashed, wrote and copied, and each stage's busy time (IOCounters).
+    io: dict[str, Any] = field(default_factory=dict)
 
     @property
     def worst_layer(self) -> LayerOutcome | None:
@@ -115,12 +128,14 @@ class ConvertResult:
         }
 
 
-def _output_parameters(plan: ConversionPlan, options: ConvertOptions) -> dict[str, Any]:
-    """The parameters that shape the output bytes (and so key resumption and idempotence)."""
+def _output_parameters(plan: ConversionPlan, options: ConvertOptions, device: str) -> dict[str, Any]:
+    """The parameters that shape the output bytes (and so key resumption and idempotence): a GPU
+    accumulates in another order than the CPU, so a few folded values may round the other way."""
     return {
         "fold_dtype": plan.fold_dtype,
         "accumulation_dtype": ACCUMULATION_DTYPE,
         "max_shard_size": options.max_shard_size,
+        "fold_device": device,
     }
 
 
@@ -231,12 +246,20 @@ def _recheck_journal(plan: ConversionPlan, out_dir: Path, journal: Journal, gene
         if progress is None or progress.done is None or not path.exists():
             continue
         now = fingerprint(path)
-        if not _holds(path, now == journal.fingerprints.get(shard.name, {}).get("out"), progress.done["sha256"]):
+        if now != journal.fingerprints.get(shard.name, {}).get("out") and not _sidecar_holds(path, progress, plan):
             journal.shards[shard.name] = ShardProgress()
             journal.fingerprints.pop(shard.name, None)
             path.unlink()
             redo.append(shard.name)
     return redo
+
+
+def _sidecar_holds(path: Path, progress: ShardProgress, plan: ConversionPlan) -> bool:
+    """Whether a finished sidecar the journal records still holds its bytes (hashed: its
+    fingerprint changed)."""
+    assert progress.done is not None
+    folds = [FoldTensor.from_dict(name, record) for name, record in progress.tensors.items()]
+    return sidecar_intact(path, SidecarRecord.from_dict(progress.done), folds, plan.geometry.num_heads)
 
 
 def _how_placed(out_path: Path, src_path: Path) -> str:
@@ -283,7 +306,8 @@ def _recheck_manifest(
         journal.fingerprints[name] = {"out": fingerprint(out_path), "src": fingerprint(src_path)}
     for name, record in manifest.sidecars.items():
         path = out_dir / name
-        if not _holds(path, quiet(path, record.size), record.sha256):
+        folds = [tensor for tensor in manifest.tensors.values() if tensor.file == name]
+        if not (quiet(path, record.size) or sidecar_intact(path, record, folds, plan.geometry.num_heads)):
             damaged.append(name)
             continue
         progress = journal.shard(name)
@@ -357,8 +381,9 @@ def _check_free_space(plan: ConversionPlan, out_dir: Path, journal: Journal, lin
 
 
 def _place_sources(
-    plan: ConversionPlan, out_dir: Path, journal: Journal, options: ConvertOptions, generated: dict[str, bytes]
-) -> None:
+    plan: ConversionPlan, out_dir: Path, journal: Journal, options: ConvertOptions, generated: dict[str, bytes],
+    counters: IOCounters,
+) -> None:  # fmt: skip
     """Place every source file (and write the generated ones), journaling each with the
     fingerprints that later runs check it against."""
     todo = [n for n in plan.files_to_place if not (n in journal.placed and (out_dir / n).exists())]
@@ -366,8 +391,11 @@ def _place_sources(
     with progress_bar(total, "placing sources", "B", options.progress) as bar:
         for name in todo:
             size = (plan.source.model_dir / name).stat().st_size
-            how = place_file(plan.source.model_dir / name, out_dir / name, options.link, progress=None)
+            with counters.timed("place"):
+                how = place_file(plan.source.model_dir / name, out_dir / name, options.link, progress=None)
             bar.update(size)
+            if how == "copy":
+                counters.add(read=size, written=size, copied=size)
             journal.placed[name] = how
             journal.fingerprints[name] = {"out": fingerprint(out_dir / name), "src": fingerprint(plan.source.model_dir / name)}
             journal.save()
@@ -376,9 +404,84 @@ def _place_sources(
             continue
         with atomic_output(out_dir / name) as handle:
             handle.write(data)
+        counters.add(written=len(data))
         journal.placed[name] = "generated"
         journal.fingerprints[name] = {"out": fingerprint(out_dir / name), "src": None}
         journal.save()
+
+
+def _fold_order(plan: ConversionPlan, journal: Journal) -> list[LayerPlan]:
+    """The layers still to fold, in sidecar order."""
+    return [
+        layer
+        for shard in plan.shards
+        if not (journal.shard(shard.name).done)
+        for layer in shard.layers
+        if layer.output.name not in journal.shard(shard.name).tensors
+    ]
+
+
+def _source_reads(
+    plan: ConversionPlan, out_dir: Path, journal: Journal, todo: list[LayerPlan], counters: IOCounters, bar: Any
+) -> SourceReads:
+    """The hashing passes of this run: every placed file not hashed yet, those feeding the first
+    layers to fold first (then the largest), so that the fold waits as little as possible."""
+    inputs = {(file, info.name): info for layer in plan.layers for file, info in layer.input_tensors()}
+    wanted = {(file, info.name) for layer in todo for file, info in layer.input_tensors()}
+    recorded = {
+        (source["file"], source["name"]): source["sha256"]
+        for progress in journal.shards.values()
+        for record in progress.tensors.values()
+        for source in record["sources"]
+    }
+    first_use: dict[str, int] = {}
+    for position, layer in enumerate(todo):
+        for file, _ in layer.input_tensors():
+            first_use.setdefault(file, position)
+    sizes = {n: (out_dir / n).stat().st_size for n in journal.placed if n not in journal.source_hashes}
+    order = sorted(sizes, key=lambda n: (first_use.get(n, len(todo)), -sizes[n]))
+
+    def on_hashed(name: str, record: FileRecord) -> None:
+        with journal.lock:
+            journal.source_hashes[name] = record.to_dict()
+            journal.save()
+
+    return SourceReads(
+        out_dir, {n: sizes[n] for n in order}, inputs, wanted, recorded, on_hashed, bar.update, counters
+    )  # fmt: skip
+
+
+def _hash_and_fold(
+    plan: ConversionPlan, out_dir: Path, journal: Journal, options: ConvertOptions, counters: IOCounters, device: str
+) -> list[str]:
+    """Hash every placed source not hashed yet and fold every layer not folded yet, overlapped:
+    hashing passes (threads; hashlib frees the GIL) hand the fold its inputs as they go by, the fold
+    runs on the cores torch has (or a GPU), the previous layer's write and fsync run in a thread of
+    their own. Returns the folds (tensor names) made in this run."""
+    todo = _fold_order(plan, journal)
+    cores = options.workers or os.cpu_count() or 1
+    source_bytes = sum((out_dir / n).stat().st_size for n in journal.placed if n not in journal.source_hashes)
+    folded: list[str] = []
+    with (
+        progress_bar(len(plan.layers), "folding", "layer", options.progress, position=1) as fold_bar,
+        progress_bar(source_bytes, "hashing sources", "B", options.progress, position=0) as hash_bar,  # closes first
+        worker_pool(options.workers or default_workers()) as hash_pool,
+        worker_pool(cores) as leaf_pool,
+        worker_pool(1) as write_pool,
+    ):
+        reads = _source_reads(plan, out_dir, journal, todo, counters, hash_bar)
+        reads.start(hash_pool)
+        try:
+            for shard in plan.shards:
+                if journal.shard(shard.name).done and (out_dir / shard.name).exists():
+                    fold_bar.update(len(shard.layers))
+                    continue
+                folded += _write_shard(plan, shard, out_dir, journal, options, (reads.take, device), counters, leaf_pool, write_pool, fold_bar)
+            reads.wait()
+        except BaseException:
+            reads.stop()
+            raise
+    return folded
 
 
 def _write_shard(
@@ -387,55 +490,79 @@ def _write_shard(
     out_dir: Path,
     journal: Journal,
     options: ConvertOptions,
-    pool: Executor,
+    source: tuple[Fetch, str],
+    counters: IOCounters,
+    leaf_pool: Executor,
+    write_pool: Executor,
     bar: Any,
 ) -> list[str]:
-    """Write (or finish) one sidecar shard; returns the folds (tensor names) made in this run."""
+    """Write (or finish) one sidecar shard; returns the folds (tensor names) made in this run. Layer
+    i + 1 is folded while layer i is written and fsynced; each is journaled once durable."""
     from foldckpt.layer import fold_from_source  # torch: only once there is something to fold
 
+    fetch, device = source
     progress = journal.shard(shard.name)
     writer = ShardWriter(out_dir / shard.name, shard.specs, SIDECAR_METADATA, progress.offset)
-    if writer.offset != progress.offset:  # nothing usable on disk: start the shard over
-        progress.tensors.clear()
+    if progress.offset == 0:
+        counters.add(written=writer.offset)
+    if writer.offset != progress.offset or not _prefix_intact(writer, shard, progress, plan.geometry.num_heads):
+        with journal.lock:  # nothing usable on disk: start the shard over
+            progress.tensors.clear()
+            progress.offset = writer.restart()
     folded: list[str] = []
+
+    def append(data: list[memoryview], record: FoldTensor, layer_index: int) -> None:
+        with counters.timed("write"):
+            offset = writer.append(data)
+        counters.add(written=sum(part.nbytes for part in data))
+        with journal.lock:
+            progress.offset = offset
+            progress.tensors[record.name] = record.to_dict()
+            journal.save()
+        bar.set_postfix(layer=layer_index, relerr=f"{record.error['rel_fro_error']:.1e}")
+        bar.update(1)
+
+    writing: Future[None] | None = None
     try:
         for layer in shard.layers:
             if layer.output.name in progress.tensors:
                 bar.update(1)
                 continue
-            data, record = fold_from_source(plan, layer, shard.name, pool, options.allow_nonfinite)
-            progress.offset = writer.append(data)
-            progress.tensors[record.name] = record.to_dict()
-            journal.save()
+            with counters.timed("fold"):
+                data, record = fold_from_source(plan, layer, shard.name, leaf_pool, options.allow_nonfinite, fetch, device)
+            counters.add(hashed=sum(part.nbytes for part in data))  # the head leaves: each fold byte once
+            if writing is not None:
+                writing.result()
+            writing = write_pool.submit(append, data, record, layer.layer.index)
             folded.append(record.name)
-            bar.set_postfix(layer=layer.layer.index, relerr=f"{record.error['rel_fro_error']:.1e}")
-            bar.update(1)
-        # Journal the finished shard before renaming it: a kill in between then costs a rehash
+        if writing is not None:
+            writing.result()
+        # Journal the finished shard before renaming it: a kill in between then costs a recheck
         # and a rename on resume, where the reverse order would redo the whole shard.
-        progress.done = writer.finish().to_dict()
-        journal.save()
+        with journal.lock:
+            progress.done = writer.finish().to_dict()
+            journal.save()
         writer.commit()
-        journal.fingerprints[shard.name] = {"out": fingerprint(out_dir / shard.name)}
-        journal.save()
+        with journal.lock:
+            journal.fingerprints[shard.name] = {"out": fingerprint(out_dir / shard.name)}
+            journal.save()
     finally:
+        if writing is not None:
+            wait([writing])
         writer.close()
     return folded
 
 
-def _hash_sources(plan: ConversionPlan, out_dir: Path, journal: Journal, options: ConvertOptions) -> None:
-    """Hash every placed source file in parallel, largest first so that no big shard starts last
-    and runs alone; each digest is journaled as it lands."""
-    sizes = {n: (out_dir / n).stat().st_size for n in journal.placed if n not in journal.source_hashes}
-    workers = options.workers or os.cpu_count() or 1
-    with (
-        progress_bar(sum(sizes.values()), "hashing sources", "B", options.progress) as bar,
-        worker_pool(workers) as pool,
-    ):
-        largest_first = sorted(sizes, key=sizes.__getitem__, reverse=True)
-        futures = {n: pool.submit(sha256_file, out_dir / n, bar.update) for n in largest_first}
-        for name, future in futures.items():
-            journal.source_hashes[name] = FileRecord(sizes[name], future.result()).to_dict()
-            journal.save()
+def _prefix_intact(writer: ShardWriter, shard: ShardPlan, progress: ShardProgress, heads: int) -> bool:
+    """Whether the folds a resumed shard keeps still hold their journaled head digests (the
+    temporary file is ours, but a crash or a hand can damage it between two runs)."""
+    if not progress.tensors:
+        return True
+    job = HashJob(writer.tmp.name, writer.offset, False)
+    kept = [FoldTensor.from_dict(name, record) for name, record in progress.tensors.items()]
+    add_head_ranges(job, writer.layout, kept, heads)
+    _, digests = hash_job(writer.tmp, job)
+    return all(digests[bound] == check.expected for bound, checks in job.ranges.items() for check in checks)
 
 
 def _manifest(
@@ -453,7 +580,7 @@ def _manifest(
         fold_dtype=plan.fold_dtype,
         accumulation_dtype=ACCUMULATION_DTYPE,
         tensors=ordered,
-        sidecars={s.name: FileRecord(**journal.shard(s.name).done) for s in plan.shards},
+        sidecars={s.name: SidecarRecord.from_dict(journal.shard(s.name).done) for s in plan.shards},
         source_files={n: FileRecord(**journal.source_hashes[n]) for n in (*plan.files_to_place, *generated)},
         parameters=parameters,
         source=source,
@@ -488,7 +615,8 @@ def convert(
     model_dir, out_dir = origin.path, Path(out_dir)
     source = origin.to_dict()
     plan = plan_conversion(model_dir, options.fold_dtype, options.max_shard_size, options.tp_sizes)
-    parameters = _output_parameters(plan, options)
+    device = resolve_fold_device(options.device)
+    parameters = _output_parameters(plan, options, device)
     # The manifest records where a Hub model came from, so that identity is part of the run too.
     generated = _generated_files(plan)
     key = run_key([*plan.files_to_place, *generated], parameters if source is None else {**parameters, "source": source})
@@ -501,12 +629,12 @@ def convert(
     except OSError as exc:
         raise os_error(out_dir, exc, "creating the output directory") from None
     with exclusive_lock(out_dir):  # for the whole run: a second convert into OUT_DIR is refused
-        return _convert_locked(plan, origin, out_dir, options, key, parameters, generated, sidecars, started)
+        return _convert_locked(plan, origin, out_dir, options, key, parameters, generated, sidecars, started, device)
 
 
 def _convert_locked(
     plan: ConversionPlan, origin: ModelSource, out_dir: Path, options: ConvertOptions, key: str,
-    parameters: dict[str, Any], generated: dict[str, bytes], sidecars: dict[str, int], started: float,
+    parameters: dict[str, Any], generated: dict[str, bytes], sidecars: dict[str, int], started: float, device: str,
 ) -> ConvertResult:  # fmt: skip
     source = origin.to_dict()
     journal, repaired = _prepare_out_dir(plan, out_dir, key, generated, options)
@@ -517,24 +645,14 @@ def _convert_locked(
             out_dir, True, len(plan.layers), 0, 0, sidecars, plan.fold_bytes,
             max_rel_error=max(layer.rel_fro_error for layer in layers),
             elapsed_s=time.monotonic() - started, layers=layers, model=origin.label, source=source,
+            fold_device=str(manifest.parameters.get("fold_device", device)),
         )  # fmt: skip
     remove_stale_tmp_files(out_dir, keep={tmp_path_for(out_dir / name) for name in journal.shards})
     _check_free_space(plan, out_dir, journal, options.link)
 
-    _place_sources(plan, out_dir, journal, options, generated)
-    # Hashed before folding: a resumed run can then tell, file by file, whether the bytes its
-    # earlier folds came from are still there (and refuse, naming the file, when not).
-    _hash_sources(plan, out_dir, journal, options)
-    folded: list[str] = []
-    with (
-        worker_pool(options.workers or os.cpu_count() or 1) as pool,
-        progress_bar(len(plan.layers), "folding", "layer", options.progress) as bar,
-    ):
-        for shard in plan.shards:
-            if journal.shard(shard.name).done and (out_dir / shard.name).exists():
-                bar.update(len(shard.layers))
-                continue
-            folded += _write_shard(plan, shard, out_dir, journal, options, pool, bar)
+    counters = IOCounters()
+    _place_sources(plan, out_dir, journal, options, generated, counters)
+    folded = _hash_and_fold(plan, out_dir, journal, options, counters, device)
     changed = _recheck_journal(plan, out_dir, journal, generated)  # a change while this run folded
     if changed:
         journal.save()
@@ -565,4 +683,6 @@ def _convert_locked(
         model=origin.label,
         source=source,
         repaired=tuple(repaired),
+        fold_device=device,
+        io=counters.to_dict(),
     )

@@ -32,3 +32,28 @@ def fold_torch_dtype(name: str) -> torch.dtype:
     if name not in FOLD_DTYPE_NAMES:
         raise KeyError(name)
     return getattr(torch, name)
+
+
+# ``convert --device``: where the fold is computed. "cpu" is the default: the fold is cheap next to
+# the reads a conversion does, and the CPU gives the same bytes on every machine.
+FOLD_DEVICES = ("cpu", "cuda", "auto")
+DEFAULT_FOLD_DEVICE = "cpu"
+
+
+def resolve_fold_device(name: str) -> str:
+    """``cpu`` or ``cuda`` for a ``--device`` choice (``auto``: a GPU when torch sees one)."""
+    from foldckpt.errors import FoldckptError
+
+    if name not in FOLD_DEVICES:
+        raise FoldckptError(f"--device {name!r}: choose one of {', '.join(FOLD_DEVICES)}")
+    if name == "cpu":
+        return "cpu"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if name == "auto":
+        return "cpu"
+    raise FoldckptError(
+        "--device cuda: torch sees no GPU (torch.cuda.is_available() is False); use --device cpu or auto"
+    )

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from foldckpt.files import HASH_BUFFER, os_error
 
@@ -79,28 +79,40 @@ def describe_heads(heads: Sequence[int]) -> str:
 
 @dataclass(frozen=True)
 class RangeCheck:
-    """A sha256 the manifest records for bytes ``[start, end)`` of a file (one head of a fold)."""
+    """A sha256 recorded for bytes ``[start, end)`` of a file: one head of a fold (``head``), or a
+    whole source tensor (``head`` None; ``expected`` None when it is still to be recorded)."""
 
     tensor: str
-    head: int
-    expected: str
+    head: int | None
+    expected: str | None
+
+
+class Capture(Protocol):
+    """What a pass over a file does with the ranges it hashes besides digesting them: ``begin``
+    returns a buffer to copy the range's bytes into (or None), ``end`` receives the range's digest
+    and that buffer once its last byte went by (possibly long before the file's end)."""
+
+    def begin(self, bound: tuple[int, int]) -> bytearray | None: ...
+
+    def end(self, bound: tuple[int, int], sha256: str, data: bytearray | None) -> None: ...
 
 
 @dataclass
 class HashJob:
-    """One file to read once: its whole-file digest (``whole`` is the recorded one, or None to read
-    only the ranges) and the digests of byte ranges in it."""
+    """One file to read once: its whole-file digest (when ``whole``; ``expected`` is the recorded
+    one, if any) and the digests of byte ranges in it (alone, only the ranges are read)."""
 
     name: str
     size: int
-    whole: str | None
+    whole: bool
+    expected: str | None = None
     ranges: dict[tuple[int, int], list[RangeCheck]] = field(default_factory=dict)
 
     def add(self, start: int, end: int, check: RangeCheck) -> None:
         self.ranges.setdefault((start, end), []).append(check)
 
     def segments(self) -> list[tuple[int, int]]:
-        if self.whole is not None:
+        if self.whole:
             return [(0, self.size)]
         merged: list[list[int]] = []
         for start, end in sorted(self.ranges):
@@ -117,7 +129,7 @@ class HashJob:
     @property
     def cost(self) -> int:
         """sha256 work in bytes: the read plus every range digest (a sidecar costs twice its size)."""
-        return (self.size if self.whole is not None else 0) + sum(b - a for a, b in self.ranges)
+        return (self.size if self.whole else 0) + sum(b - a for a, b in self.ranges)
 
 
 def in_page_cache(fd: int, size: int) -> bool:
@@ -180,13 +192,16 @@ def chunks(handle: BinaryIO, size: int, segments: list[tuple[int, int]]) -> Iter
 
 
 def hash_job(
-    path: Path, job: HashJob, progress: Callable[[int], object] | None = None
+    path: Path, job: HashJob, progress: Callable[[int], object] | None = None, capture: Capture | None = None
 ) -> tuple[str | None, dict[tuple[int, int], str]]:
     """Read the job's segments once, feeding the whole-file digest and every overlapping range digest
-    (a range is fed chunk by chunk, right after the whole-file digest, while the bytes are in cache)."""
-    whole = hashlib.sha256() if job.whole is not None else None
+    (a range is fed chunk by chunk, right after the whole-file digest, while the bytes are in cache),
+    and, with ``capture``, copying the ranges it asks for. Returns (whole-file digest or None, range
+    digests). ``progress`` may raise to abandon the pass."""
+    whole = hashlib.sha256() if job.whole else None
     bounds = sorted(job.ranges)
     digests = {bound: hashlib.sha256() for bound in bounds}
+    buffers: dict[tuple[int, int], bytearray | None] = {}
     pending, active = 0, []  # bounds sorted by start; active = started and not finished
     try:
         with open(path, "rb", buffering=0) as handle:
@@ -198,11 +213,19 @@ def hash_job(
                     whole.update(chunk)
                 while pending < len(bounds) and bounds[pending][0] < chunk_end:
                     active.append(bounds[pending])
+                    if capture is not None:
+                        buffers[bounds[pending]] = capture.begin(bounds[pending])
                     pending += 1
                 for start, end in active:
                     lo, hi = max(start, pos), min(end, chunk_end)
                     if hi > lo:
                         digests[(start, end)].update(chunk[lo - pos : hi - pos])
+                        if (buffer := buffers.get((start, end))) is not None:
+                            buffer[lo - start : hi - start] = chunk[lo - pos : hi - pos]
+                if capture is not None:
+                    for bound in active:
+                        if bound[1] <= chunk_end:
+                            capture.end(bound, digests[bound].hexdigest(), buffers.pop(bound))
                 active = [bound for bound in active if bound[1] > chunk_end]
                 if progress:
                     progress(len(chunk))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,15 @@ class Journal:
     # name -> {"out": fingerprint of OUT_DIR/name, "src": of MODEL_DIR/name} when it was placed
     # (sidecars: when finished); see foldckpt.files.fingerprint.
     fingerprints: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Held by whoever changes and saves the journal while other threads may too (hashing passes,
+    # the sidecar writer); reentrant, so a holder can call save().
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def save(self) -> None:
+        with self.lock:
+            self._save()
+
+    def _save(self) -> None:
         atomic_write_json(
             self.path,
             {

@@ -1,20 +1,24 @@
 """One layer's fold computed from the source checkpoint, as convert stores it and verify re-derives it.
 
-Reads the layer's inputs (hashing exactly the bytes read, for provenance), dequantizes fp8 blocks,
-refuses NaN/Inf, folds, measures the error against fp64 on sampled heads, and hashes the result
-once, head block by head block (the leaves of :mod:`foldckpt.hashing`'s per-head tree).
+Gets the layer's inputs with the sha256 of exactly their bytes (for provenance) from a ``fetch``
+(convert's: handed over by the pass that hashes the source file, :mod:`foldckpt.source_reads`;
+verify's: read here), dequantizes fp8 blocks, refuses NaN/Inf, folds (on the CPU or a GPU),
+measures the error against fp64 on sampled heads, and hashes the result once, head block by head
+block (the leaves of :mod:`foldckpt.hashing`'s per-head tree).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from foldckpt.errors import FoldckptError
-from foldckpt.fold import dequantize_fp8_blocks, fold_error, fold_layer, sample_heads
+from foldckpt.fold import all_finite, dequantize_fp8_blocks, fold_error, fold_layer, sample_heads
 from foldckpt.hashing import head_digests
 from foldckpt.manifest import FoldTensor, SourceTensor
 from foldckpt.plan import FOLD_DTYPES, ConversionPlan, LayerPlan, SourceWeight
@@ -28,23 +32,37 @@ class LayerInputs:
     sources: tuple[SourceTensor, ...]
 
 
-def _load(plan: ConversionPlan, name: str, file: str, info: TensorInfo) -> tuple[torch.Tensor, SourceTensor]:
-    data = read_tensor_bytes(plan.source.model_dir / file, info)
+# (file, header info) -> the tensor's bytes and their sha256.
+Fetch = Callable[[str, TensorInfo], tuple[bytearray, str]]
+
+
+def reader(directory: Path) -> Fetch:
+    """The plain ``fetch``: read the tensor from ``directory`` and hash what was read."""
+
+    def fetch(file: str, info: TensorInfo) -> tuple[bytearray, str]:
+        data = read_tensor_bytes(directory / file, info)
+        return data, hashlib.sha256(data).hexdigest()
+
+    return fetch
+
+
+def _load(fetch: Fetch, file: str, info: TensorInfo) -> tuple[torch.Tensor, SourceTensor]:
+    data, sha256 = fetch(file, info)
     tensor = torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype]).reshape(info.shape)
-    return tensor, SourceTensor(name, file, hashlib.sha256(data).hexdigest())
+    return tensor, SourceTensor(info.name, file, sha256)
 
 
 def _load_weight(
-    plan: ConversionPlan, weight: SourceWeight, allow_nonfinite: bool
+    plan: ConversionPlan, weight: SourceWeight, allow_nonfinite: bool, fetch: Fetch
 ) -> tuple[torch.Tensor, list[SourceTensor]]:
     """One fold input, dequantized to fp32 when it is fp8, plus the hashes of the bytes read."""
-    tensor, record = _load(plan, weight.name, weight.file, weight.info)
+    tensor, record = _load(fetch, weight.file, weight.info)
     records = [record]
     if weight.scale is not None and weight.block is not None:
-        scale, scale_record = _load(plan, weight.scale[1].name, *weight.scale)
+        scale, scale_record = _load(fetch, *weight.scale)
         records.append(scale_record)
         tensor = dequantize_fp8_blocks(tensor, scale, weight.block, weight.name)
-    if not allow_nonfinite and not torch.isfinite(tensor).all():
+    if not allow_nonfinite and not all_finite(tensor):
         raise FoldckptError(
             f"{plan.source.model_dir / weight.file}: tensor '{weight.name}' contains NaN or Inf; "
             "refusing to fold (pass --allow-nonfinite to fold it anyway)"
@@ -56,9 +74,9 @@ def nonfinite_fold_problem(fold: torch.Tensor, inputs: LayerInputs, fold_dtype: 
     """Why a fold with NaN/Inf is wrong, or None when it has none (or its inputs already had some,
     which ``--allow-nonfinite`` let through): finite inputs whose fold is not finite overflowed
     the fold dtype."""
-    finite = torch.isfinite(fold)
-    if bool(finite.all()) or not (bool(torch.isfinite(inputs.q_b_proj).all()) and bool(torch.isfinite(inputs.kv_b_proj).all())):
+    if all_finite(fold) or not (all_finite(inputs.q_b_proj) and all_finite(inputs.kv_b_proj)):
         return None
+    finite = torch.isfinite(fold)
     count = int(finite.numel() - finite.sum())
     return (
         f"{count} of its {fold.numel()} values are Inf or NaN although q_b_proj and kv_b_proj are finite: "
@@ -79,19 +97,28 @@ def plan_layer_label(layer: LayerPlan) -> str:
     return f"MLA layer {layer.layer.index}{' (mtp)' if layer.layer.is_mtp else ''} ('{layer.output.name}')"
 
 
-def load_layer_inputs(plan: ConversionPlan, layer: LayerPlan, allow_nonfinite: bool = False) -> LayerInputs:
-    q_b, q_sources = _load_weight(plan, layer.q_b_proj, allow_nonfinite)
-    kv_b, kv_sources = _load_weight(plan, layer.kv_b_proj, allow_nonfinite)
+def load_layer_inputs(
+    plan: ConversionPlan, layer: LayerPlan, allow_nonfinite: bool = False, fetch: Fetch | None = None
+) -> LayerInputs:
+    fetch = fetch or reader(plan.source.model_dir)
+    q_b, q_sources = _load_weight(plan, layer.q_b_proj, allow_nonfinite, fetch)
+    kv_b, kv_sources = _load_weight(plan, layer.kv_b_proj, allow_nonfinite, fetch)
     return LayerInputs(q_b, kv_b, tuple(q_sources + kv_sources))
 
 
 def fold_from_source(
-    plan: ConversionPlan, layer: LayerPlan, shard: str, pool: Executor, allow_nonfinite: bool = False
-) -> tuple[memoryview, FoldTensor]:
-    """The stored bytes of one layer's fold and its manifest record."""
+    plan: ConversionPlan,
+    layer: LayerPlan,
+    shard: str,
+    pool: Executor,
+    allow_nonfinite: bool = False,
+    fetch: Fetch | None = None,
+    device: str = "cpu",
+) -> tuple[list[memoryview], FoldTensor]:
+    """The stored bytes of one layer's fold (the tensors in sidecar order) and its manifest record."""
     geometry = plan.geometry
-    inputs = load_layer_inputs(plan, layer, allow_nonfinite)
-    fold = fold_layer(inputs.q_b_proj, inputs.kv_b_proj, geometry, FOLD_DTYPES[plan.fold_dtype])
+    inputs = load_layer_inputs(plan, layer, allow_nonfinite, fetch)
+    fold = fold_layer(inputs.q_b_proj, inputs.kv_b_proj, geometry, FOLD_DTYPES[plan.fold_dtype], device)
     check_fold_finite(fold, inputs, layer, plan.fold_dtype)
     error = fold_error(fold, inputs.q_b_proj, inputs.kv_b_proj, geometry, sample_heads(geometry.num_heads))
     data = tensor_to_bytes(fold)
@@ -107,4 +134,4 @@ def fold_from_source(
         sources=inputs.sources,
         error=error.to_dict(),
     )
-    return data, record
+    return [data], record

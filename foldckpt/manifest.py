@@ -13,8 +13,11 @@ recomputed) cannot be told from the real thing by the manifest alone: users pin 
 the sha256 of the ``foldckpt.json`` file (``verify`` and ``inspect`` print it, ``sha256sum`` gives
 the same), and ``read_manifest(expect_sha256=...)`` refuses any other.
 
-Format 2 (this one) records one sha256 per head block of each fold (:mod:`foldckpt.hashing`);
-format 1 recorded per-rank hashes for the TP sizes chosen at convert time and is refused.
+Format 3 (this one) records one sha256 per head block of each fold (:mod:`foldckpt.hashing`) and,
+per sidecar, the sha256 of its header: the header and the head blocks tile the file, so every
+sidecar byte is covered by exactly one digest and convert hashes each fold byte once. Format 2 also
+kept a whole-file sha256 of each sidecar (every fold byte hashed twice); format 1 recorded per-rank
+hashes for the TP sizes chosen at convert time. Both are refused with the command that rewrites them.
 """
 
 from __future__ import annotations
@@ -35,13 +38,14 @@ from foldckpt.safetensors_format import tensor_nbytes
 
 MANIFEST_NAME = "foldckpt.json"
 FORMAT_NAME = "foldckpt"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 DIGEST_KEY = "manifest_sha256"
 DIGEST_RULE = (
     f"sha256 of the manifest without '{DIGEST_KEY}', encoded as JSON with sorted keys, "
     "separators (',', ':'), ASCII escapes"
 )
 FORMULA = "W_fold[h] = [W_UK[h]^T @ W_qb_nope[h] ; W_qb_pe[h]]"
+SIDECAR_RULE = "header_sha256 covers bytes [0, 8 + header length); the folds' head_sha256 cover the rest"
 LAYOUT = "head-major [H*(L+R), Lq]; rank r of tp owns rows [r*H/tp*(L+R), (r+1)*H/tp*(L+R))"
 _MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 
@@ -53,6 +57,22 @@ class FileRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return {"size": self.size, "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
+class SidecarRecord:
+    """A sidecar file: its size and the sha256 of its safetensors header (bytes ``[0, 8 + header
+    length)``); the tensor data after it is covered by the folds' head digests."""
+
+    size: int
+    header_sha256: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "header_sha256": self.header_sha256}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SidecarRecord:
+        return cls(int(data["size"]), str(data["header_sha256"]))
 
 
 @dataclass(frozen=True)
@@ -115,7 +135,7 @@ class Manifest:
     fold_dtype: str
     accumulation_dtype: str
     tensors: dict[str, FoldTensor]
-    sidecars: dict[str, FileRecord]
+    sidecars: dict[str, SidecarRecord]
     source_files: dict[str, FileRecord]
     parameters: dict[str, Any] = field(default_factory=dict)
     # For a model converted by Hugging Face id: {"repo_id", "revision" (as asked), "commit"}.
@@ -129,7 +149,7 @@ class Manifest:
     file_sha256: str | None = field(default=None, compare=False)
 
     @property
-    def files(self) -> dict[str, FileRecord]:
+    def files(self) -> dict[str, FileRecord | SidecarRecord]:
         """Every file of the output directory the manifest vouches for (except itself)."""
         return {**self.source_files, **self.sidecars}
 
@@ -156,7 +176,9 @@ class Manifest:
                 "accumulation_dtype": self.accumulation_dtype,
                 "tensor_name": "<layer prefix>.self_attn.q_fold.weight",
             },
-            "integrity": {"head_sha256": LEAF_RULE, "rank_digest": RANK_RULE, DIGEST_KEY: DIGEST_RULE},
+            "integrity": {
+                "head_sha256": LEAF_RULE, "rank_digest": RANK_RULE, "sidecar": SIDECAR_RULE, DIGEST_KEY: DIGEST_RULE,
+            },  # fmt: skip
             "parameters": self.parameters,
             "tensors": {name: t.to_dict() for name, t in self.tensors.items()},
             "sidecars": {name: r.to_dict() for name, r in self.sidecars.items()},
@@ -172,7 +194,7 @@ class Manifest:
             fold_dtype=str(fold["dtype"]),
             accumulation_dtype=str(fold["accumulation_dtype"]),
             tensors={name: FoldTensor.from_dict(name, t) for name, t in data["tensors"].items()},
-            sidecars={n: FileRecord(int(r["size"]), str(r["sha256"])) for n, r in data["sidecars"].items()},
+            sidecars={n: SidecarRecord.from_dict(r) for n, r in data["sidecars"].items()},
             source_files={
                 n: FileRecord(int(r["size"]), str(r["sha256"])) for n, r in data["source_files"].items()
             },
@@ -270,6 +292,12 @@ def read_manifest(out_dir: Path, expect_sha256: str | None = None) -> Manifest:
             path, f"written in manifest format 1 (per-TP rank hashes, no self-digest) by foldckpt "
             f"{data.get('tool_version')}; foldckpt {__version__} reads format {FORMAT_VERSION} only: "
             "reconvert (foldckpt convert MODEL_DIR OUT_DIR --restart)",
+        )  # fmt: skip
+    if version == 2:
+        raise FoldckptError.at(
+            path, f"written in manifest format 2 (whole-file sidecar hashes) by foldckpt {data.get('tool_version')}; "
+            f"foldckpt {__version__} reads format {FORMAT_VERSION} only: reconvert (foldckpt convert MODEL_DIR "
+            "OUT_DIR --restart)",
         )  # fmt: skip
     if version != FORMAT_VERSION:
         raise bad(f"format_version {version!r} is not one foldckpt {__version__} reads ({FORMAT_VERSION}): edited, or written by another foldckpt")

@@ -46,6 +46,15 @@ class LayerPlan:
     kv_b_proj: SourceWeight
     output: TensorSpec
 
+    def input_tensors(self) -> list[tuple[str, TensorInfo]]:
+        """(file, header info) of every source tensor the fold reads: the weights and fp8 scales."""
+        found: list[tuple[str, TensorInfo]] = []
+        for weight in (self.q_b_proj, self.kv_b_proj):
+            found.append((weight.file, weight.info))
+            if weight.scale is not None:
+                found.append(weight.scale)
+        return found
+
 
 @dataclass(frozen=True)
 class ShardPlan:

@@ -95,8 +95,9 @@ def _interval() -> float:
         return DEFAULT_INTERVAL_S
 
 
-def progress_bar(total: int, desc: str, unit: str, enabled: bool, stream: TextIO | None = None) -> Any:
-    """A progress reporter with tqdm's ``update`` / ``set_postfix`` / ``close`` (and ``with``)."""
+def progress_bar(total: int, desc: str, unit: str, enabled: bool, stream: TextIO | None = None, position: int = 0) -> Any:
+    """A progress reporter with tqdm's ``update`` / ``set_postfix`` / ``close`` (and ``with``);
+    bars shown at the same time take a ``position`` (line) each."""
     stream = stream or sys.stderr
     if not enabled:
         return _Silent()
@@ -104,5 +105,5 @@ def progress_bar(total: int, desc: str, unit: str, enabled: bool, stream: TextIO
     if isatty is not None and isatty():
         from tqdm import tqdm
 
-        return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", file=stream)
+        return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", file=stream, position=position)
     return _Lines(total, desc, unit, stream, _interval())

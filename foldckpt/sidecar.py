@@ -2,8 +2,10 @@
 
 The shard is built under its temporary name: the header (known from the plan) first, then each
 fold's bytes, fsynced after every layer. The journal records the byte offset reached, so a resumed
-run truncates the temporary file back to the last durable layer, re-hashes that prefix, and
-appends from there. Only a complete shard is renamed to its final name.
+run truncates the temporary file back to the last durable layer and appends from there. Only a
+complete shard is renamed to its final name. The writer hashes the header only: the fold bytes
+are hashed once, head by head, where they are made (:func:`foldckpt.hashing.head_digests`), and
+those digests with the header's cover the whole file (manifest format 3).
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ import hashlib
 import os
 from pathlib import Path
 
-from foldckpt.errors import FoldckptError
-from foldckpt.files import HASH_CHUNK, fsync_dir, os_error, tmp_path_for
-from foldckpt.manifest import FileRecord
-from foldckpt.safetensors_format import TensorSpec, encode_header
+from foldckpt.files import fsync_dir, os_error, tmp_path_for
+from foldckpt.manifest import SidecarRecord
+from foldckpt.safetensors_format import TensorInfo, TensorSpec, encode_header
 
 
 class ShardWriter:
@@ -25,14 +26,20 @@ class ShardWriter:
     ) -> None:
         self.path = path
         self.tmp = tmp_path_for(path)
-        self._digest = hashlib.sha256()
         header = encode_header(specs, metadata)
+        self.header_sha256 = hashlib.sha256(header).hexdigest()
+        self.header_size = len(header)
         self.expected_size = len(header) + sum(spec.nbytes for spec in specs)
+        # Where each tensor's bytes go (absolute offsets), as the finished file's header says.
+        self.layout: dict[str, TensorInfo] = {}
+        cursor = len(header)
+        for spec in specs:
+            self.layout[spec.name] = TensorInfo(spec.name, spec.dtype, spec.shape, cursor, cursor + spec.nbytes)
+            cursor += spec.nbytes
         try:
             if resume_offset >= len(header) and self.tmp.is_file() and self.tmp.stat().st_size >= resume_offset:
                 self._handle = open(self.tmp, "r+b")
                 self._handle.truncate(resume_offset)
-                self._rehash_prefix(resume_offset)
                 self._handle.seek(resume_offset)
                 self.offset = resume_offset
             else:
@@ -42,38 +49,40 @@ class ShardWriter:
         except OSError as exc:
             raise os_error(self.tmp, exc, "writing") from None
 
-    def _rehash_prefix(self, length: int) -> None:
-        self._handle.seek(0)
-        remaining = length
-        while remaining:
-            chunk = self._handle.read(min(HASH_CHUNK, remaining))
-            if not chunk:
-                raise FoldckptError(f"{self.tmp}: shorter than its journaled size; pass --restart")
-            self._digest.update(chunk)
-            remaining -= len(chunk)
-
-    def append(self, data: bytes | memoryview) -> int:
-        """Append and make durable; returns the new durable offset (for the journal)."""
+    def append(self, data: bytes | memoryview | list[memoryview]) -> int:
+        """Append (one buffer or several, in order) and make durable; returns the new durable
+        offset (for the journal)."""
+        parts = data if isinstance(data, list) else [data]
         try:
-            self._handle.write(data)
+            for part in parts:
+                self._handle.write(part)
             self._handle.flush()
             os.fsync(self._handle.fileno())
         except OSError as exc:
             self.close()
             raise os_error(self.path, exc, "writing") from None
-        self._digest.update(data)
-        self.offset += len(data)
+        self.offset += sum(memoryview(part).nbytes for part in parts)
         return self.offset
 
-    def finish(self) -> FileRecord:
-        """Close the complete (already durable) shard; returns the size and sha256 it will have.
+    def restart(self) -> int:
+        """Drop everything after the header (a resumed prefix that no longer holds its folds)."""
+        try:
+            self._handle.truncate(self.header_size)
+            self._handle.seek(self.header_size)
+        except OSError as exc:
+            raise os_error(self.tmp, exc, "writing") from None
+        self.offset = self.header_size
+        return self.offset
+
+    def finish(self) -> SidecarRecord:
+        """Close the complete (already durable) shard; returns its manifest record.
 
         Separate from :meth:`commit` so the caller can journal the record before the rename.
         """
         if self.offset != self.expected_size:
             raise RuntimeError(f"{self.path}: wrote {self.offset} of {self.expected_size} bytes")
         self.close()
-        return FileRecord(self.offset, self._digest.hexdigest())
+        return SidecarRecord(self.offset, self.header_sha256)
 
     def commit(self) -> None:
         """Rename the finished shard into place."""

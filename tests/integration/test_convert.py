@@ -15,6 +15,8 @@ from foldckpt.convert import ConvertOptions, convert
 from foldckpt.fold import ROUNDING_TOLERANCE, dequantize_fp8_blocks
 from foldckpt.geometry import read_geometry
 from foldckpt.manifest import MANIFEST_NAME, read_manifest
+from foldckpt.plan import plan_conversion
+from foldckpt.synthetic import make_checkpoint
 from foldckpt.verify import VerifyOptions, verify
 from tests.conftest import run_foldckpt
 from tests.unit.test_fold import fp64_fold_of_head
@@ -158,3 +160,21 @@ def test_cli_bad_tp_is_a_one_line_error(make_model: Callable[..., Path], tmp_pat
     run = run_foldckpt("convert", make_model("deepseek_v3"), tmp_path / "out", "--tp", "3")
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == ["foldckpt: error: --tp 3: does not divide the model's 8 attention heads"]
+
+
+@pytest.mark.parametrize("link", ["auto", "copy"])
+def test_convert_reads_every_source_byte_once_and_hashes_every_fold_byte_once(tmp_path: Path, link: str) -> None:
+    """Issue 14: the pass that hashes a source file hands the fold its inputs (no second read), and
+    the fold's head digests are its only hash (the sidecar's record is its header's digest)."""
+    model = make_checkpoint(tmp_path / "model", "kimi_k3", shards=3)
+    result = convert(model, tmp_path / "out", ConvertOptions(progress=False, link=link))
+    plan = plan_conversion(model)
+    sources = sum((model / name).stat().st_size for name in plan.files_to_place)
+    inputs = sum(info.nbytes for layer in plan.layers for _, info in layer.input_tensors())
+    copied = sources if link == "copy" else 0
+    assert result.io["bytes_reread"] == 0
+    assert result.io["bytes_read"] == sources + copied  # a copy reads each source once more, to copy it
+    assert result.io["bytes_hashed"] == sources + inputs + plan.fold_bytes
+    assert result.io["bytes_copied"] == copied
+    assert result.io["bytes_written"] == plan.sidecar_bytes + copied
+    assert set(result.io["stage_busy_s"]) >= {"fold", "write", "source_passes"}

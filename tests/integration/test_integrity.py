@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.errors import FoldckptError, ManifestError
-from foldckpt.manifest import MANIFEST_NAME, read_manifest
+from foldckpt.manifest import MANIFEST_NAME, encode_manifest, manifest_digest, read_manifest
 from foldckpt.runtime.loader import open_fold_set
 from foldckpt.safetensors_format import read_header
 from foldckpt.verify import VerifyOptions, verify
@@ -461,16 +461,23 @@ def test_verify_deep_runs_in_bounded_address_space_whatever_the_file_sizes(make_
     assert "verified in" in run.stdout
 
 
-def test_an_output_of_manifest_format_1_is_refused_then_replaced_by_restart(converted: Converted) -> None:
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_output_of_an_older_manifest_format_is_refused_then_replaced_by_restart(converted: Converted, version: int) -> None:
     model_dir, out_dir = converted("deepseek_v3")
     path = out_dir / MANIFEST_NAME
     data = json.loads(path.read_bytes())
-    del data["manifest_sha256"]
-    data.update(format_version=1, tp_sizes=[1, 2, 4, 8])
-    path.write_text(json.dumps(data, indent=2))
+    if version == 1:
+        del data["manifest_sha256"]
+        data.update(format_version=1, tp_sizes=[1, 2, 4, 8])
+    else:  # format 2: whole-file sidecar hashes, self-digested
+        data["format_version"] = 2
+        for record in data["sidecars"].values():
+            record["sha256"] = record.pop("header_sha256")
+        data["manifest_sha256"] = manifest_digest(data)
+    path.write_bytes(encode_manifest(data))
     for attempt in (lambda: open_fold_set(out_dir), lambda: convert(model_dir, out_dir, ConvertOptions(progress=False))):
-        with pytest.raises(FoldckptError, match="manifest format 1 .* reconvert") as caught:
+        with pytest.raises(FoldckptError, match=f"manifest format {version} .* reconvert") as caught:
             attempt()
         assert not isinstance(caught.value, ManifestError)  # unusable input (exit 2), not a failed check
     convert(model_dir, out_dir, ConvertOptions(progress=False, restart=True))
-    assert read_manifest(out_dir).format_version == 2 and check(out_dir).ok
+    assert read_manifest(out_dir).format_version == 3 and check(out_dir).ok

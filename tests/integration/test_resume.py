@@ -29,7 +29,7 @@ import pytest
 
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.errors import FoldckptError
-from foldckpt.files import TMP_SUFFIX
+from foldckpt.files import TMP_SUFFIX, tmp_path_for
 from foldckpt.journal import JOURNAL_NAME
 from foldckpt.manifest import MANIFEST_NAME, read_manifest
 from foldckpt.plan import SIDECAR_PREFIX
@@ -399,3 +399,39 @@ def test_out_dir_that_is_a_file_is_refused(model: Path, tmp_path: Path) -> None:
         with pytest.raises(FoldckptError, match=str(out)):
             convert(model, out, ConvertOptions(overwrite=overwrite, progress=False))
     assert out.read_text() == "not a directory\n"
+
+
+def _kept_fold_in_unfinished_sidecar(out: Path) -> tuple[str, int] | None:
+    """(temporary sidecar, byte inside its first journaled fold) when the journal keeps a fold of a
+    sidecar that is not finished yet."""
+    try:
+        journal = json.loads((out / JOURNAL_NAME).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    for name, shard in journal["shards"].items():
+        if shard["tensors"] and shard["done"] is None:
+            return tmp_path_for(out / name).name, shard["offset"] - 1
+    return None
+
+
+def test_a_kept_fold_damaged_between_two_runs_is_folded_again_on_resume(
+    model: Path, reference: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """The temporary sidecar of a killed run keeps its journaled folds; if one of their bytes is
+    damaged before the rerun, the resumed run must not carry it into the output."""
+    for attempt in range(20):
+        out = tmp_path / f"out-{attempt}"
+        if kill_when(spawn_convert(model, out), lambda: _kept_fold_in_unfinished_sidecar(out) is not None):
+            break
+    else:
+        pytest.skip("no kill landed between two layers of one sidecar in 20 runs")
+    found = _kept_fold_in_unfinished_sidecar(out)
+    assert found is not None
+    tmp_name, offset = found
+    with open(out / tmp_name, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 0x10]))
+    resume_in_process(model, out)
+    assert_identical(out, reference[0])

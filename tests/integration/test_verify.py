@@ -21,7 +21,8 @@ import torch
 
 from foldckpt.convert import ConvertOptions
 from foldckpt.errors import FoldckptError
-from foldckpt.manifest import MANIFEST_NAME, FileRecord, read_manifest, write_manifest
+from foldckpt.consistency import header_sha256
+from foldckpt.manifest import MANIFEST_NAME, SidecarRecord, read_manifest, write_manifest
 from foldckpt.fold import reference_fold_heads
 from foldckpt.safetensors_format import TORCH_DTYPES, TensorInfo, read_header, read_tensor
 from foldckpt.files import HASH_BUFFER
@@ -112,10 +113,7 @@ def reseal_manifest(out_dir: Path) -> None:
         info = tensor_info(path, name)
         data = path.read_bytes()[info.start : info.end]
         tensors[name] = dataclasses.replace(tensor, head_sha256=head_digests(data, manifest.geometry.num_heads))
-    sidecars = {
-        name: FileRecord((out_dir / name).stat().st_size, hashlib.sha256((out_dir / name).read_bytes()).hexdigest())
-        for name in manifest.sidecars
-    }
+    sidecars = {name: SidecarRecord((out_dir / name).stat().st_size, header_sha256(read_header(out_dir / name))) for name in manifest.sidecars}
     write_manifest(out_dir, dataclasses.replace(manifest, tensors=tensors, sidecars=sidecars))
 
 
@@ -137,8 +135,9 @@ def test_a_clean_conversion_verifies_at_every_level(converted: Converted, family
     deep = report.levels[-1]
     layers = len(read_manifest(out_dir).tensors)
     assert f"{layers}/{layers} layer(s) recomputed: {layers} bitwise identical" in deep.summary
-    content = report.levels[2]
-    assert content.bytes_read == sum(r.size for r in read_manifest(out_dir).files.values())
+    content = report.levels[2]  # every source byte and every fold byte once (headers: structure)
+    manifest = read_manifest(out_dir)
+    assert content.bytes_read == sum(r.size for r in manifest.source_files.values()) + manifest.fold_bytes()
 
 
 def test_a_clean_multi_sidecar_conversion_verifies_every_rank(converted: Converted) -> None:
@@ -189,8 +188,8 @@ def test_a_flipped_byte_in_any_sidecar_fold_fails_content_naming_the_file_and_te
     flip_byte(out_dir / sidecar, info.start + info.nbytes // 3)
     level = failed_level(run_verify(out_dir), "content")
     assert files_named(level.problems) == {sidecar}
-    assert any(p.tensor == tensor and f"tensor '{tensor}' differs from its head sha256" in p.what for p in level.problems), level.problems
-    assert any("sha256" in p.what and p.tensor is None for p in level.problems)
+    (problem,) = level.problems
+    assert problem.tensor == tensor and f"tensor '{tensor}' differs from its head sha256" in problem.what
 
 
 def test_a_flipped_byte_in_a_sidecar_header_fails_structure(converted: Converted) -> None:
@@ -201,13 +200,14 @@ def test_a_flipped_byte_in_a_sidecar_header_fails_structure(converted: Converted
     assert "not a valid safetensors file" in level.problems[0].what
 
 
-def test_a_flipped_byte_in_sidecar_metadata_fails_content_with_the_tensors_intact(converted: Converted) -> None:
+def test_a_flipped_byte_in_sidecar_metadata_fails_structure_with_the_tensors_intact(converted: Converted) -> None:
     _, out_dir = converted("deepseek_v3")
     sidecar = "foldckpt-00001-of-00001.safetensors"
     raw = (out_dir / sidecar).read_bytes()
     flip_byte(out_dir / sidecar, raw.index(b'"foldckpt ') + 1, ord("F"))  # "producer": "Foldckpt x.y": still valid
-    level = failed_level(run_verify(out_dir), "content")
-    assert [(p.file, p.tensor) for p in level.problems] == [(sidecar, None)]  # file hash only: folds are fine
+    level = failed_level(run_verify(out_dir), "structure")
+    assert [(p.file, p.tensor) for p in level.problems] == [(sidecar, None)]  # the header digest only: folds are fine
+    assert "header sha256" in level.problems[0].what
 
 
 def test_the_rank_slice_mode_checks_only_what_that_rank_loads(converted: Converted) -> None:
@@ -376,7 +376,7 @@ def test_a_flipped_hex_digit_anywhere_in_the_manifest_fails_its_first_level(conv
     tensor = manifest.tensors[fold_names(out_dir, SIDECARS[1])[0]]
     needle = {
         "file": manifest.source_files["model-00002-of-00003.safetensors"].sha256,
-        "sidecar": manifest.sidecars[SIDECARS[2]].sha256,
+        "sidecar": manifest.sidecars[SIDECARS[2]].header_sha256,
         "head": tensor.head_sha256[5],
         "source": tensor.sources[1].sha256,
     }[record]
@@ -463,13 +463,13 @@ def test_a_manifest_file_name_escaping_the_output_is_refused_before_any_read(con
     assert files_named(level.problems) == {MANIFEST_NAME} and "escapes the output directory" in level.problems[0].what
 
 
-def test_a_resigned_manifest_whose_head_hash_disagrees_with_intact_bytes_names_the_manifest(converted: Converted) -> None:
+def test_a_resigned_manifest_whose_head_hash_disagrees_with_the_bytes_names_that_head(converted: Converted) -> None:
     _, out_dir = converted("kimi_k3", SMALL_SHARDS)
     name = fold_names(out_dir, SIDECARS[1])[0]
     resign_raw(out_dir, lambda d: d["tensors"][name]["head_sha256"].__setitem__(2, "0" * 64))
     level = failed_level(run_verify(out_dir), "content")
-    (problem,) = level.problems
-    assert (problem.file, problem.tensor) == (MANIFEST_NAME, name) and "head(s) 2" in problem.what
+    (problem,) = level.problems  # one digest per byte: the bytes and their head digest disagree, nothing else
+    assert (problem.file, problem.tensor) == (SIDECARS[1], name) and "head(s) 2" in problem.what
     assert run_verify(out_dir, "content", rank=0, tp=4).ok  # heads 0-1: unaffected
     level = failed_level(run_verify(out_dir, "content", rank=1, tp=4), "content")  # heads 2-3
     assert [(p.file, p.tensor) for p in level.problems] == [(SIDECARS[1], name)]

@@ -1,0 +1,240 @@
+"""Every placed source file hashed once, in parallel, handing the fold inputs it passes to the fold.
+
+Why: at Kimi-K3 scale a conversion reads about 1.4 TB of sources (hashed for the manifest) and
+writes a few GB of folds, so it should take the time that one read of the sources and one write of
+the folds take. The fold's inputs (q_b_proj, kv_b_proj and their fp8 scales) lie inside those
+files: the pass that hashes a file copies them out as it goes by, and digests each of them (the
+manifest's per-tensor provenance) from the same bytes, so no source byte is read twice and the
+fold of a layer starts as soon as the pass has gone past its inputs, long before the file's end.
+
+Copies are bounded by a byte budget: a pass never waits for the fold (so no layout of tensors over
+files can deadlock the two); where a copy would exceed the budget it is not made, and the fold
+reads that tensor itself (:attr:`SourceReads.reread_bytes` counts it). Files are taken in the order
+of the first layer they feed, so with one file per few layers (how real checkpoints are sharded)
+everything is copied.
+
+On a resumed run, the folds journaled by the earlier run record the sha256 of each input they were
+made from; the pass checks those digests too, so a source that changed between the two runs is
+refused, naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from foldckpt.errors import FoldckptError
+from foldckpt.hashing import HashJob, RangeCheck, hash_job
+from foldckpt.manifest import FileRecord
+from foldckpt.safetensors_format import TensorInfo, read_tensor_bytes
+
+# Copied fold inputs waiting for the fold: a few Kimi-K3 layers (82 MB of bf16 inputs each).
+DEFAULT_CAPTURE_BUDGET = 384 * 1024 * 1024
+
+
+class _Abandoned(Exception):
+    """Raised through a pass's progress callback when the run stops (an error or a signal)."""
+
+
+@dataclass
+class _Slot:
+    """One fold input in a file being hashed: filled (or given up) once the pass went past it."""
+
+    ready: threading.Event = field(default_factory=threading.Event)
+    data: bytearray | None = None
+    sha256: str | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class IOCounters:
+    """Bytes moved by one conversion and the busy time of each stage (summed over threads), for
+    the benchmark and ``--json``: ``read`` counts every byte read from a source (``reread`` the
+    fold inputs read a second time), ``hashed`` every byte fed to sha256."""
+
+    read: int = 0
+    hashed: int = 0
+    reread: int = 0
+    written: int = 0
+    copied: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, read: int = 0, hashed: int = 0, reread: int = 0, written: int = 0, copied: int = 0) -> None:
+        with self.lock:
+            self.read += read
+            self.hashed += hashed
+            self.reread += reread
+            self.written += written
+            self.copied += copied
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - started
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bytes_read": self.read, "bytes_reread": self.reread, "bytes_hashed": self.hashed,
+            "bytes_written": self.written, "bytes_copied": self.copied,
+            "stage_busy_s": {stage: round(s, 3) for stage, s in sorted(self.seconds.items())},
+        }  # fmt: skip
+
+
+class SourceReads:
+    """The hashing passes of one run and the fold inputs they hand over.
+
+    ``files``: name -> size of the source files to hash in this run, in the order to start them;
+    ``inputs``: (file, tensor) -> header info of every fold input in those files; ``wanted``: the
+    inputs still to be folded in this run (copied when the budget allows); ``recorded``: (file,
+    tensor) -> sha256 an earlier run's fold recorded (checked). ``on_hashed(name, record)`` runs in
+    the pass's thread when a file's digest is known.
+    """
+
+    def __init__(
+        self,
+        out_dir: Path,
+        files: dict[str, int],
+        inputs: dict[tuple[str, str], TensorInfo],
+        wanted: set[tuple[str, str]],
+        recorded: dict[tuple[str, str], str],
+        on_hashed: Callable[[str, FileRecord], None],
+        progress: Callable[[int], object],
+        counters: IOCounters,
+        budget: int = DEFAULT_CAPTURE_BUDGET,
+    ) -> None:
+        self.out_dir = out_dir
+        self.files = files
+        self.inputs = inputs
+        self.wanted = wanted
+        self.recorded = recorded
+        self.on_hashed = on_hashed
+        self.progress = progress
+        self.counters = counters
+        self.budget = budget
+        self._held = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._slots = {key: _Slot() for key in inputs if key[0] in files and key in wanted}
+        self._futures: list[Future[None]] = []
+
+    def start(self, pool: Executor) -> None:
+        for name in self.files:
+            self._futures.append(pool.submit(self._pass, name))
+
+    def stop(self) -> None:
+        """Abandon the passes still running (their files stay unhashed in the journal)."""
+        self._stop.set()
+
+    def wait(self) -> None:
+        """Wait for every pass; re-raise the first failure (in start order)."""
+        for future in self._futures:
+            future.result()
+
+    # -- the fold's side ------------------------------------------------------------------------
+
+    def take(self, file: str, info: TensorInfo) -> tuple[bytearray, str]:
+        """The bytes of one fold input and their sha256: handed over by the pass over ``file`` (once
+        it went past them), or read here when that pass did not copy them or ``file`` is not hashed
+        in this run."""
+        slot = self._slots.get((file, info.name))
+        if slot is not None:
+            with self.counters.timed("fold_waiting_for_inputs"):
+                slot.ready.wait()
+            del self._slots[(file, info.name)]
+            if slot.error is not None:
+                raise slot.error
+            if slot.data is not None:
+                with self._lock:
+                    self._held -= len(slot.data)
+                return slot.data, str(slot.sha256)
+        data = read_tensor_bytes(self.out_dir / file, info)
+        self.counters.add(read=len(data), hashed=len(data), reread=len(data) if slot is not None else 0)
+        return data, hashlib.sha256(data).hexdigest()
+
+    # -- the passes ------------------------------------------------------------------------------
+
+    def _pass(self, name: str) -> None:
+        size = self.files[name]
+        job = HashJob(name, size, True)
+        in_file = {(info.start, info.end): key for key, info in self.inputs.items() if key[0] == name}
+        for (start, end), key in in_file.items():
+            job.add(start, end, RangeCheck(key[1], None, self.recorded.get(key)))
+        capture = _Capture(self, in_file)
+
+        def progress(count: int) -> None:
+            if self._stop.is_set():
+                raise _Abandoned
+            self.counters.add(read=count, hashed=count)
+            self.progress(count)
+
+        try:
+            with self.counters.timed("source_passes"):
+                whole, ranges = hash_job(self.out_dir / name, job, progress, capture)
+        except _Abandoned:
+            capture.give_up(None)
+            return
+        except BaseException as exc:
+            capture.give_up(exc)
+            raise
+        capture.give_up(None)  # a file shorter than its header said: the fold's own read names it
+        self.counters.add(hashed=sum(end - start for start, end in in_file))
+        for (start, end), checks in job.ranges.items():
+            for check in checks:
+                if check.expected is not None and ranges[(start, end)] != check.expected:
+                    raise FoldckptError.at(
+                        self.out_dir / name, f"tensor '{check.tensor}' changed since an earlier run of this "
+                        "conversion folded it (its sha256 differs from the journaled one); refusing to mix "
+                        "results: restore the file, or pass --restart to start over", check.tensor,
+                    )  # fmt: skip
+        self.on_hashed(name, FileRecord(size, str(whole)))
+
+
+class _Capture:
+    """The :class:`~foldckpt.hashing.Capture` of one pass: copies the wanted inputs within budget."""
+
+    def __init__(self, reads: SourceReads, by_bound: dict[tuple[int, int], tuple[str, str]]) -> None:
+        self.reads = reads
+        self.by_bound = by_bound
+        self.reserved: dict[tuple[int, int], int] = {}
+
+    def begin(self, bound: tuple[int, int]) -> bytearray | None:
+        reads, key = self.reads, self.by_bound[bound]
+        if key not in reads._slots:
+            return None
+        with reads._lock:
+            if reads._held + (bound[1] - bound[0]) > reads.budget:
+                return None
+            reads._held += bound[1] - bound[0]
+        self.reserved[bound] = bound[1] - bound[0]
+        return bytearray(bound[1] - bound[0])
+
+    def end(self, bound: tuple[int, int], sha256: str, data: bytearray | None) -> None:
+        slot = self.reads._slots.get(self.by_bound[bound])
+        if slot is None or slot.ready.is_set():
+            return
+        self.reserved.pop(bound, None)  # from now on the fold's to release (take)
+        slot.data, slot.sha256 = data, sha256
+        slot.ready.set()
+
+    def give_up(self, error: BaseException | None) -> None:
+        """Release every slot of this file not handed over yet (the fold then reads it, or raises)."""
+        with self.reads._lock:
+            self.reads._held -= sum(self.reserved.values())
+        self.reserved.clear()
+        for key in self.by_bound.values():
+            slot = self.reads._slots.get(key)
+            if slot is not None and not slot.ready.is_set():
+                slot.error = error
+                slot.ready.set()
