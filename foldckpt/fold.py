@@ -81,8 +81,9 @@ def fold_chunks(
     with _ieee_fp32_matmul(torch.device(device)):
         for start in range(0, g.num_heads, _HEADS_PER_CHUNK):
             chunk = slice(start, min(start + _HEADS_PER_CHUNK, g.num_heads))
-            q_nope = q_heads[chunk, :p].to(device=device, dtype=torch.float32)
-            w_uk_t = kv_heads[chunk, :p].to(device=device, dtype=torch.float32).transpose(1, 2)  # [n, L, P]
+            # .contiguous() first: converting a dense copy is 3x faster on the CPU than the strided slice
+            q_nope = q_heads[chunk, :p].contiguous().to(device=device, dtype=torch.float32)
+            w_uk_t = kv_heads[chunk, :p].contiguous().to(device=device, dtype=torch.float32).transpose(1, 2)  # [n, L, P]
             yield chunk, torch.matmul(w_uk_t, q_nope), q_heads[chunk, p:]
 
 

@@ -178,3 +178,13 @@ def test_convert_reads_every_source_byte_once_and_hashes_every_fold_byte_once(tm
     assert result.io["bytes_copied"] == copied
     assert result.io["bytes_written"] == plan.sidecar_bytes + copied
     assert set(result.io["stage_busy_s"]) >= {"fold", "write", "source_passes"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_device_cuda_without_a_gpu_is_one_line_exit_2_and_auto_folds_on_the_cpu(tmp_path: Path) -> None:
+    model = make_checkpoint(tmp_path / "model", "deepseek_v3")
+    run = run_foldckpt("convert", model, tmp_path / "out", "--device", "cuda")
+    assert run.returncode == 2 and "--device cuda: torch sees no GPU" in run.stderr, run.stderr
+    assert not (tmp_path / "out").exists()  # refused before OUT_DIR is touched
+    result = convert(model, tmp_path / "auto", ConvertOptions(progress=False, device="auto"))
+    assert result.fold_device == "cpu" and read_manifest(tmp_path / "auto").parameters["fold_device"] == "cpu"
