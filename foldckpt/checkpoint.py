@@ -43,7 +43,7 @@ class SourceCheckpoint:
     def read(self, name: str) -> torch.Tensor:
         located = self.locate(name)
         if located is None:
-            raise FoldckptError(f"{self.model_dir}: tensor '{name}' is not in the checkpoint")
+            raise FoldckptError.at(self.model_dir, f"tensor '{name}' is not in the checkpoint", name)
         file, info = located
         return read_tensor(self.model_dir / file, info)
 
@@ -72,19 +72,17 @@ def resolve_inside(model_dir: Path, name: str, where: str, external_links: bool 
     outputs, whose files are then checked by content (sha256) against the manifest.
     """
     if not isinstance(name, str) or not name or "\x00" in name:
-        raise FoldckptError(f"{where}: invalid file name {name!r}")
+        raise FoldckptError.at(where, f"invalid file name {name!r}")
     if not stays_inside(name):
-        raise FoldckptError(f"{where}: file name {name!r} escapes the model directory; refused")
+        raise FoldckptError.at(where, f"file name {name!r} escapes the model directory; refused")
     path = model_dir / name
     if not path.exists():
-        raise FoldckptError(f"{where}: refers to {name!r}, which does not exist in {model_dir}")
+        raise FoldckptError.at(where, f"refers to {name!r}, which does not exist in {model_dir}")
     real = path.resolve()
     if not external_links and not any(real.is_relative_to(root) for root in allowed_roots(model_dir)):
-        raise FoldckptError(
-            f"{where}: {name!r} is a symlink to {real}, outside the model directory; refused"
-        )
+        raise FoldckptError.at(where, f"{name!r} is a symlink to {real}, outside the model directory; refused")
     if not real.is_file():
-        raise FoldckptError(f"{where}: {name!r} is not a regular file")
+        raise FoldckptError.at(where, f"{name!r} is not a regular file")
     return path
 
 
@@ -94,25 +92,26 @@ def _read_index(path: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
-        raise FoldckptError(f"{path}: 'weight_map' must map tensor names to file names")
+        raise FoldckptError.at(path, "'weight_map' must map tensor names to file names")
     return weight_map
 
 
 def _refuse_pickles(model_dir: Path) -> None:
     pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
-        raise FoldckptError(
-            f"{model_dir}: only pickle weights found ({', '.join(pickles[:3])}); foldckpt never "
-            "unpickles files: convert the checkpoint to safetensors first"
+        raise FoldckptError.at(
+            model_dir,
+            f"only pickle weights found ({', '.join(pickles[:3])}); foldckpt never "
+            "unpickles files: convert the checkpoint to safetensors first",
         )
-    raise FoldckptError(f"{model_dir}: no {INDEX_NAME} or *.safetensors weights found")
+    raise FoldckptError.at(model_dir, f"no {INDEX_NAME} or *.safetensors weights found")
 
 
 def open_source_checkpoint(model_dir: Path, external_links: bool = False) -> SourceCheckpoint:
     """Validate the index and every shard header of ``model_dir``; read no tensor data."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise FoldckptError(f"{model_dir}: not a directory")
+        raise FoldckptError.at(model_dir, "not a directory")
     index_path = model_dir / INDEX_NAME
     if index_path.is_file():
         weight_map = _read_index(index_path)
@@ -134,15 +133,15 @@ def open_source_checkpoint(model_dir: Path, external_links: bool = False) -> Sou
         for file, header in headers.items():
             for name in header.tensors:
                 if name in weight_map:
-                    raise FoldckptError(
-                        f"{model_dir / file}: tensor '{name}' also appears in {weight_map[name]}"
+                    raise FoldckptError.at(
+                        model_dir / file, f"tensor '{name}' also appears in {weight_map[name]}", name
                     )
                 weight_map[name] = file
     else:
         for name, file in weight_map.items():
             if name not in headers[file].tensors:
-                raise FoldckptError(
-                    f"{index_path}: says '{name}' is in {file}, but that file's header has no such tensor"
+                raise FoldckptError.at(
+                    index_path, f"says '{name}' is in {file}, but that file's header has no such tensor", name
                 )
     return SourceCheckpoint(model_dir, index_path, weight_map, headers)
 

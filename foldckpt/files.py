@@ -66,10 +66,10 @@ def fsync_dir(path: Path) -> None:
 def os_error(path: Path, exc: OSError, action: str) -> FoldckptError:
     """A one-line user error for an OSError met while ``action``-ing ``path``."""
     if exc.errno in _DISK_FULL:
-        return FoldckptError(f"{path}: {_DISK_FULL[exc.errno]} while {action}; free space and rerun to resume")
+        return FoldckptError.at(path, f"{_DISK_FULL[exc.errno]} while {action}; free space and rerun to resume")
     if exc.errno in (errno.EACCES, errno.EPERM):
-        return FoldckptError(f"{path}: permission denied while {action}")
-    return FoldckptError(f"{path}: {exc.strerror or exc} while {action}")
+        return FoldckptError.at(path, f"permission denied while {action}")
+    return FoldckptError.at(path, f"{exc.strerror or exc} while {action}")
 
 
 @contextmanager
@@ -100,20 +100,20 @@ def atomic_write_json(path: Path, data: Any) -> None:
 def read_json_file(path: Path, max_bytes: int, what: str, missing_hint: str = "") -> Any:
     """Parse a JSON file of at most ``max_bytes`` (a hostile file cannot exhaust memory)."""
     if path.exists() and not path.is_file():  # a FIFO or device would block or never end
-        raise FoldckptError(f"{path}: not a regular file; not {what}")
+        raise FoldckptError.at(path, f"not a regular file; not {what}")
     try:
         with open(path, "rb") as handle:
             raw = handle.read(max_bytes + 1)
     except FileNotFoundError:
-        raise FoldckptError(f"{path}: not found{'; ' + missing_hint if missing_hint else ''}") from None
+        raise FoldckptError.at(path, f"not found{'; ' + missing_hint if missing_hint else ''}") from None
     except OSError as exc:
-        raise FoldckptError(f"{path}: cannot read: {exc.strerror}") from None
+        raise FoldckptError.at(path, f"cannot read: {exc.strerror}") from None
     if len(raw) > max_bytes:
-        raise FoldckptError(f"{path}: larger than {max_bytes} bytes; not {what}")
+        raise FoldckptError.at(path, f"larger than {max_bytes} bytes; not {what}")
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FoldckptError(f"{path}: invalid JSON ({exc}); not {what}") from None
+        raise FoldckptError.at(path, f"invalid JSON ({exc}); not {what}") from None
 
 
 def sha256_file(path: Path, progress: Callable[[int], object] | None = None) -> str:

@@ -51,6 +51,11 @@ class MLALayer:
     def q_fold(self) -> str:
         return f"{self.prefix}.self_attn.q_fold.weight"
 
+    @property
+    def q_fold_scale(self) -> str:
+        """The fp32 per-row scale of an fp8 fold, beside it (vLLM's fp8 linear names it so too)."""
+        return f"{self.prefix}.self_attn.q_fold.weight_scale"
+
 
 def describe_layers(layers: Iterable[MLALayer]) -> str:
     """Config layer indices as users read them in logs and summaries: ``3, 7, 93 (mtp)``."""
@@ -180,10 +185,18 @@ _KIMI_K3_ARCHITECTURES = ("KimiK3ForConditionalGeneration",)
 SUPPORTED_ARCHITECTURES = _DEEPSEEK_ARCHITECTURES + _KIMI_K25_ARCHITECTURES + _KIMI_K3_ARCHITECTURES
 
 
-def _require_int(config: dict[str, Any], key: str, where: str) -> int:
+def _config_error(where: str, detail: str, section: str | None = None) -> FoldckptError:
+    """An error about the config file ``where`` (in its ``section`` object, if any): the message
+    reads ``<where> (<section>): <detail>``; ``path`` is the file, and ``detail`` names the section."""
+    if section is None:
+        return FoldckptError.at(where, detail)
+    return FoldckptError(f"{where} ({section}): {detail}", path=where, detail=f"{section}: {detail}")
+
+
+def _require_int(config: dict[str, Any], key: str, where: str, section: str | None = None) -> int:
     value = config.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise FoldckptError(f"{where}: '{key}' must be a positive integer, got {value!r}")
+        raise _config_error(where, f"'{key}' must be a positive integer, got {value!r}", section)
     return value
 
 
@@ -199,14 +212,14 @@ def _quantization(config: dict[str, Any], outer: dict[str, Any]) -> tuple[str | 
     return method, None
 
 
-def _kimi_k3_mla_indices(text: dict[str, Any], num_layers: int, where: str) -> list[int]:
+def _kimi_k3_mla_indices(text: dict[str, Any], num_layers: int, where: str, section: str | None) -> list[int]:
     linear = text.get("linear_attn_config")
     if not isinstance(linear, dict) or not isinstance(linear.get("kda_layers"), list):
-        raise FoldckptError(f"{where}: Kimi-K3 text_config needs linear_attn_config.kda_layers")
+        raise _config_error(where, "Kimi-K3 text_config needs linear_attn_config.kda_layers", section)
     kda = linear["kda_layers"]
     if not all(isinstance(i, int) and 1 <= i <= num_layers for i in kda):
-        raise FoldckptError(
-            f"{where}: linear_attn_config.kda_layers must hold 1-based layer numbers in 1..{num_layers}"
+        raise _config_error(
+            where, f"linear_attn_config.kda_layers must hold 1-based layer numbers in 1..{num_layers}", section
         )
     kda_set = set(kda)
     return [i for i in range(num_layers) if (i + 1) not in kda_set]
@@ -215,34 +228,37 @@ def _kimi_k3_mla_indices(text: dict[str, Any], num_layers: int, where: str) -> l
 def geometry_from_config(config: dict[str, Any], where: str = CONFIG_NAME) -> Geometry:
     """Build the geometry of a supported MLA model from its parsed ``config.json``.
 
-    ``where`` names the file in error messages.
+    ``where`` names the file in error messages, and is the ``path`` of every error raised.
     """
     if not isinstance(config, dict):
-        raise FoldckptError(f"{where}: expected a JSON object")
+        raise _config_error(where, "expected a JSON object")
     architectures = config.get("architectures") or []
     architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if architecture is None:
-        raise FoldckptError(
-            f"{where}: unsupported architecture {architectures!r}; foldckpt folds "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        raise _config_error(
+            where,
+            f"unsupported architecture {architectures!r}; foldckpt folds {', '.join(SUPPORTED_ARCHITECTURES)}",
         )
+    section: str | None = None  # the object of config.json that holds the text model's fields
     if architecture in _DEEPSEEK_ARCHITECTURES:
         family, text, prefix = "deepseek", config, "model.layers"
     else:
         text = config.get("text_config")
         if not isinstance(text, dict):
-            raise FoldckptError(f"{where}: {architecture} needs a 'text_config' object")
+            raise _config_error(where, f"{architecture} needs a 'text_config' object")
         family = "kimi_k25" if architecture in _KIMI_K25_ARCHITECTURES else "kimi_k3"
         prefix = "language_model.model.layers"
-        where = f"{where} (text_config)"
+        section = "text_config"
 
     if text.get("q_lora_rank") in (None, 0):
-        raise FoldckptError(
-            f"{where}: q_lora_rank is not set: this model projects queries with q_proj directly "
-            "(no q_b_proj), so there is nothing to fold"
+        raise _config_error(
+            where,
+            "q_lora_rank is not set: this model projects queries with q_proj directly "
+            "(no q_b_proj), so there is nothing to fold",
+            section,
         )
     dims = {
-        key: _require_int(text, key, where)
+        key: _require_int(text, key, where, section)
         for key in (
             "num_attention_heads",
             "q_lora_rank",
@@ -256,10 +272,10 @@ def geometry_from_config(config: dict[str, Any], where: str = CONFIG_NAME) -> Ge
     num_layers = dims["num_hidden_layers"]
     mtp = text.get("num_nextn_predict_layers") or 0
     if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
-        raise FoldckptError(f"{where}: 'num_nextn_predict_layers' must be a non-negative integer")
+        raise _config_error(where, "'num_nextn_predict_layers' must be a non-negative integer", section)
 
     if family == "kimi_k3":
-        main = _kimi_k3_mla_indices(text, num_layers, where)
+        main = _kimi_k3_mla_indices(text, num_layers, where, section)
         uses_rope = not bool(text.get("mla_use_nope", False))
     else:
         main = list(range(num_layers))
@@ -268,7 +284,7 @@ def geometry_from_config(config: dict[str, Any], where: str = CONFIG_NAME) -> Ge
         MLALayer(num_layers + j, f"{prefix}.{num_layers + j}", is_mtp=True) for j in range(mtp)
     )
     if not layers:
-        raise FoldckptError(f"{where}: the model has no MLA layer (every layer is linear attention)")
+        raise _config_error(where, "the model has no MLA layer (every layer is linear attention)", section)
 
     quant_method, block = _quantization(text, config)
     return Geometry(

@@ -13,7 +13,14 @@ from typing import Any
 
 from foldckpt import __version__
 from foldckpt.checkpoint import SourceCheckpoint, list_files_to_place, open_source_checkpoint
-from foldckpt.defaults import DEFAULT_FOLD_DTYPE, DEFAULT_MAX_SHARD_SIZE, FOLD_DTYPE_NAMES, SIDECAR_PREFIX
+from foldckpt.defaults import (
+    DEFAULT_FOLD_DTYPE,
+    DEFAULT_MAX_SHARD_SIZE,
+    FOLD_DTYPE_NAMES,
+    FOLD_SCALE_DTYPE,
+    SCALED_FOLD_DTYPES,
+    SIDECAR_PREFIX,
+)
 from foldckpt.errors import FoldckptError
 from foldckpt.geometry import Geometry, MLALayer, read_geometry
 from foldckpt.safetensors_format import TensorInfo, TensorSpec, file_size_for
@@ -45,6 +52,12 @@ class LayerPlan:
     q_b_proj: SourceWeight
     kv_b_proj: SourceWeight
     output: TensorSpec
+    # An fp8 fold's fp32 scale per row, stored right after it.
+    scale_output: TensorSpec | None = None
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return [self.output] if self.scale_output is None else [self.output, self.scale_output]
 
     def input_tensors(self) -> list[tuple[str, TensorInfo]]:
         """(file, header info) of every source tensor the fold reads: the weights and fp8 scales."""
@@ -63,7 +76,7 @@ class ShardPlan:
 
     @property
     def specs(self) -> list[TensorSpec]:
-        return [layer.output for layer in self.layers]
+        return [spec for layer in self.layers for spec in layer.outputs]
 
     @property
     def size(self) -> int:
@@ -85,7 +98,7 @@ class ConversionPlan:
 
     @property
     def fold_bytes(self) -> int:
-        return sum(layer.output.nbytes for layer in self.layers)
+        return sum(spec.nbytes for layer in self.layers for spec in layer.outputs)
 
     @property
     def sidecar_bytes(self) -> int:
@@ -102,9 +115,9 @@ class ConversionPlan:
 def __getattr__(name: str) -> Any:
     """``FOLD_DTYPES``: ``--fold-dtype`` name -> torch dtype, without importing torch up front."""
     if name == "FOLD_DTYPES":
-        import torch
+        from foldckpt.defaults import fold_torch_dtype
 
-        return {dtype: getattr(torch, dtype) for dtype in FOLD_DTYPE_NAMES}
+        return {dtype: fold_torch_dtype(dtype) for dtype in FOLD_DTYPE_NAMES}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -117,38 +130,38 @@ def _source_weight(
 ) -> SourceWeight:
     located = source.locate(name)
     if located is None:
-        raise FoldckptError(f"{source.model_dir}: MLA layer {layer.index} has no tensor '{name}'")
+        raise FoldckptError.at(source.model_dir, f"MLA layer {layer.index} has no tensor '{name}'", name)
     file, info = located
-    where = f"{source.model_dir / file}: tensor '{name}'"
+    path, where = source.model_dir / file, f"tensor '{name}'"
     if info.shape != shape:
-        raise FoldckptError(
-            f"{where} has shape {list(info.shape)} but config.json implies {list(shape)} "
+        raise FoldckptError.at(
+            path, f"{where} has shape {list(info.shape)} but config.json implies {list(shape)} "
             f"(heads={geometry.num_heads}, q_lora_rank={geometry.q_lora_rank}, "
             f"kv_lora_rank={geometry.kv_lora_rank}, qk_nope={geometry.qk_nope_head_dim}, "
-            f"qk_rope={geometry.qk_rope_head_dim}, v_head={geometry.v_head_dim}); config and weights disagree"
-        )
+            f"qk_rope={geometry.qk_rope_head_dim}, v_head={geometry.v_head_dim}); config and weights disagree", name,
+        )  # fmt: skip
     if info.dtype in _DIRECT_DTYPES:
         return SourceWeight(name, file, info)
     if info.dtype != _FP8_DTYPE:
-        raise FoldckptError(
-            f"{where} has dtype {info.dtype}; foldckpt folds bf16/fp16/fp32 and fp8 e4m3 with "
-            "128x128 weight_scale_inv blocks only"
-        )
+        raise FoldckptError.at(
+            path, f"{where} has dtype {info.dtype}; foldckpt folds bf16/fp16/fp32 and fp8 e4m3 with "
+            "128x128 weight_scale_inv blocks only", name,
+        )  # fmt: skip
     scale_name = f"{name}_scale_inv"
     scale = source.locate(scale_name)
     if scale is None:
-        raise FoldckptError(f"{where} is fp8 but '{scale_name}' is missing; cannot dequantize")
+        raise FoldckptError.at(path, f"{where} is fp8 but '{scale_name}' is missing; cannot dequantize", name)
     if scale[1].dtype not in _SCALE_DTYPES:
-        raise FoldckptError(
-            f"{source.model_dir / scale[0]}: tensor '{scale_name}' has dtype {scale[1].dtype}, expected F32"
+        raise FoldckptError.at(
+            source.model_dir / scale[0], f"tensor '{scale_name}' has dtype {scale[1].dtype}, expected F32", scale_name
         )
     block = geometry.weight_block_size or _DEFAULT_FP8_BLOCK
     expected = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
     if scale[1].shape != expected:
-        raise FoldckptError(
-            f"{source.model_dir / scale[0]}: tensor '{scale_name}' has shape {list(scale[1].shape)}, "
-            f"expected {list(expected)} for {block[0]}x{block[1]} blocks"
-        )
+        raise FoldckptError.at(
+            source.model_dir / scale[0], f"tensor '{scale_name}' has shape {list(scale[1].shape)}, "
+            f"expected {list(expected)} for {block[0]}x{block[1]} blocks", scale_name,
+        )  # fmt: skip
     return SourceWeight(name, file, info, scale=(scale[0], scale[1]), block=block)
 
 
@@ -157,7 +170,7 @@ def _pack_shards(layers: list[LayerPlan], max_shard_size: int) -> tuple[ShardPla
     groups: list[list[LayerPlan]] = [[]]
     for layer in layers:
         candidate = groups[-1] + [layer]
-        if groups[-1] and file_size_for([lp.output for lp in candidate], SIDECAR_METADATA) > max_shard_size:
+        if groups[-1] and file_size_for([spec for lp in candidate for spec in lp.outputs], SIDECAR_METADATA) > max_shard_size:
             groups.append([layer])
         else:
             groups[-1] = candidate
@@ -188,10 +201,10 @@ def _refuse_foldckpt_output(model_dir: Path) -> None:
     marks = [MANIFEST_NAME, JOURNAL_NAME, *sorted(p.name for p in model_dir.glob(f"{SIDECAR_PREFIX}*.safetensors"))]
     found = [name for name in marks if (model_dir / name).exists()]
     if found:
-        raise FoldckptError(
-            f"{model_dir}: is a foldckpt output (holds {found[0]}), not a model to convert; "
-            "convert the original model it was made from (it already serves folded and unfolded)"
-        )
+        raise FoldckptError.at(
+            model_dir, f"is a foldckpt output (holds {found[0]}), not a model to convert; "
+            "convert the original model it was made from (it already serves folded and unfolded)",
+        )  # fmt: skip
 
 
 def plan_conversion(
@@ -211,13 +224,13 @@ def plan_conversion(
     if max_shard_size <= 0:
         raise FoldckptError("--max-shard-size must be positive")
     if not model_dir.is_dir():  # before config.json: a missing directory is not a missing config
-        raise FoldckptError(f"{model_dir}: not a directory" if model_dir.exists() else f"{model_dir}: no such directory")
+        raise FoldckptError.at(model_dir, "not a directory" if model_dir.exists() else "no such directory")
     if not external_links:
         _refuse_foldckpt_output(model_dir)
     geometry = read_geometry(model_dir)
     source = open_source_checkpoint(model_dir, external_links)
     if any(name.startswith(SIDECAR_PREFIX) for name in source.headers):
-        raise FoldckptError(f"{model_dir}: already holds foldckpt sidecars; convert the original model")
+        raise FoldckptError.at(model_dir, "already holds foldckpt sidecars; convert the original model")
     out_dtype = FOLD_DTYPE_NAMES[fold_dtype]
     layers = [
         LayerPlan(
@@ -225,6 +238,8 @@ def plan_conversion(
             q_b_proj=_source_weight(source, geometry, layer, layer.q_b_proj, geometry.q_b_proj_shape),
             kv_b_proj=_source_weight(source, geometry, layer, layer.kv_b_proj, geometry.kv_b_proj_shape),
             output=TensorSpec(layer.q_fold, out_dtype, geometry.fold_shape),
+            scale_output=TensorSpec(layer.q_fold_scale, FOLD_SCALE_DTYPE, (geometry.fold_shape[0],))
+            if fold_dtype in SCALED_FOLD_DTYPES else None,
         )
         for layer in geometry.layers
     ]

@@ -106,32 +106,33 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return (math.prod(shape) * DTYPE_BITS[dtype] + 7) // 8
 
 
-def _bad(path: Path, what: str) -> FoldckptError:
-    return FoldckptError.at(path, f"not a valid safetensors file: {what}")
+def _bad(path: Path, what: str, tensor: str | None = None) -> FoldckptError:
+    return FoldckptError.at(path, f"not a valid safetensors file: {what}", tensor)
 
 
 def _parse_entry(path: Path, name: str, entry: Any, data_start: int) -> TensorInfo:
     if not isinstance(entry, dict):
-        raise _bad(path, f"header entry for tensor '{name}' is not an object")
+        raise _bad(path, f"header entry for tensor '{name}' is not an object", name)
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if dtype not in DTYPE_BITS:
-        raise _bad(path, f"tensor '{name}' has unknown dtype {dtype!r}")
+        raise _bad(path, f"tensor '{name}' has unknown dtype {dtype!r}", name)
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
-        raise _bad(path, f"tensor '{name}' has an invalid shape {shape!r}")
+        raise _bad(path, f"tensor '{name}' has an invalid shape {shape!r}", name)
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
         or not 0 <= offsets[0] <= offsets[1]
     ):
-        raise _bad(path, f"tensor '{name}' has invalid data_offsets {offsets!r}")
+        raise _bad(path, f"tensor '{name}' has invalid data_offsets {offsets!r}", name)
     expected = tensor_nbytes(dtype, tuple(shape))
     if offsets[1] - offsets[0] != expected:
         raise _bad(
             path,
             f"tensor '{name}' spans {offsets[1] - offsets[0]} bytes but {dtype}{shape} needs {expected}",
+            name,
         )
     return TensorInfo(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
 
@@ -183,7 +184,7 @@ def read_header(path: Path) -> SafetensorsHeader:
     for info in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
         if info.start != cursor:
             what = "overlaps another tensor" if info.start < cursor else "leaves a gap before it"
-            raise _bad(path, f"tensor '{info.name}' {what} (offset {info.start - data_start})")
+            raise _bad(path, f"tensor '{info.name}' {what} (offset {info.start - data_start})", info.name)
         cursor = info.end
     if cursor != file_size:
         if cursor > file_size:
@@ -202,14 +203,16 @@ def read_tensor_bytes(path: Path, info: TensorInfo, start: int = 0, stop: int | 
     except PermissionError:
         raise FoldckptError.at(path, "permission denied; make the file readable") from None
     except FileNotFoundError:
-        raise FoldckptError(f"{path}: file disappeared while converting") from None
+        raise FoldckptError.at(path, "file disappeared while converting") from None
     try:
         done = 0
         while done < len(buffer):
             got = os.preadv(fd, [view[done:]], info.start + start + done)
             if got == 0:
-                raise FoldckptError(
-                    f"{path}: truncated while reading tensor '{info.name}' (file shrank after its header was checked)"
+                raise FoldckptError.at(
+                    path,
+                    f"truncated while reading tensor '{info.name}' (file shrank after its header was checked)",
+                    info.name,
                 )
             done += got
     finally:
@@ -222,7 +225,9 @@ def read_tensor(path: Path, info: TensorInfo) -> torch.Tensor:
     import torch
 
     if info.dtype not in TORCH_DTYPE_NAMES:
-        raise FoldckptError(f"{path}: tensor '{info.name}' has dtype {info.dtype}, which foldckpt cannot read")
+        raise FoldckptError.at(
+            path, f"tensor '{info.name}' has dtype {info.dtype}, which foldckpt cannot read", info.name
+        )
     dtype = _torch_dtype_maps()[0][info.dtype]
     data = read_tensor_bytes(path, info)
     if not data:
