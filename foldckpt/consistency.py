@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from foldckpt.defaults import FOLD_DTYPE_NAMES, SIDECAR_PREFIX
+from foldckpt.defaults import FOLD_DTYPE_NAMES, FOLD_SCALE_DTYPE, SCALED_FOLD_DTYPES, SIDECAR_PREFIX
 from foldckpt.errors import FoldckptError
 from foldckpt.geometry import CONFIG_NAME, read_geometry
 from foldckpt.files import os_error
@@ -117,6 +117,18 @@ def manifest_problems(manifest: Manifest) -> list[Problem]:
                 f"{stored}{list(geometry.fold_shape)}", name)  # fmt: skip
         if len(tensor.head_sha256) != geometry.num_heads or not all(map(is_sha256, tensor.head_sha256)):
             bad(f"tensor '{name}': head_sha256 must be {geometry.num_heads} sha256 hex digests, one per head", name)
+        scale, expected = tensor.scale, (geometry.fold_shape[0],)
+        if (scale is not None) != (manifest.fold_dtype in SCALED_FOLD_DTYPES):
+            bad(f"fold '{name}' {'has' if scale is not None else 'lacks'} a weight_scale, its fold dtype "
+                f"{manifest.fold_dtype} {'has none' if scale is not None else 'needs one'}", name)  # fmt: skip
+        elif scale is not None:
+            layer = next((layer for layer in geometry.layers if layer.q_fold == name), None)
+            if layer is not None and scale.name != layer.q_fold_scale:
+                bad(f"fold '{name}': its weight_scale is named '{scale.name}', not '{layer.q_fold_scale}'", name)
+            if (scale.dtype, scale.shape) != (FOLD_SCALE_DTYPE, expected):
+                bad(f"fold '{name}': weight_scale is {scale.dtype}{list(scale.shape)}, expected {FOLD_SCALE_DTYPE}{list(expected)}", name)
+            if len(scale.head_sha256) != geometry.num_heads or not all(map(is_sha256, scale.head_sha256)):
+                bad(f"tensor '{scale.name}': head_sha256 must be {geometry.num_heads} sha256 hex digests, one per head", scale.name)
         for source in tensor.sources:
             if source.file not in manifest.source_files:
                 bad(f"tensor '{name}': its source '{source.name}' is in '{source.file}', not a listed source file", name)
@@ -162,7 +174,7 @@ def sidecar_headers(out_dir: Path, manifest: Manifest) -> tuple[dict[str, Safete
                 name, f"header sha256 {digest[:16]}… differs from {manifest.sidecars[name].header_sha256[:16]}… "
                 f"recorded in {MANIFEST_NAME} (the header was edited or replaced)",
             ))  # fmt: skip
-        listed = {t.name: t for t in manifest.tensors.values() if t.file == name}
+        listed = {part.name: part for t in manifest.tensors.values() if t.file == name for part in t.parts()}
         for tensor_name in sorted(set(header.tensors) - set(listed)):
             problems.append(Problem(name, f"tensor '{tensor_name}' is not in {MANIFEST_NAME}", tensor_name))
         for tensor_name, tensor in listed.items():
@@ -189,16 +201,16 @@ def header_sha256(header: SafetensorsHeader) -> str:
 def add_head_ranges(
     job: HashJob, infos: dict[str, TensorInfo], tensors: Iterable[FoldTensor], heads: int, first: int = 0, stop: int | None = None
 ) -> None:
-    """Add to ``job`` the head blocks ``[first, stop)`` of every fold in ``tensors`` that ``infos``
-    (the file's header) places, each with its recorded leaf digest."""
-    for tensor in tensors:
-        info = infos.get(tensor.name)
+    """Add to ``job`` the head blocks ``[first, stop)`` of every fold in ``tensors`` (and of an fp8
+    fold's scale) that ``infos`` (the file's header) places, each with its recorded leaf digest."""
+    for part in (part for tensor in tensors for part in tensor.parts()):
+        info = infos.get(part.name)
         if info is None:  # the structure check reports it
             continue
         block = info.nbytes // heads
         for head in range(first, heads if stop is None else stop):
             start = info.start + head * block
-            job.add(start, start + block, RangeCheck(tensor.name, head, tensor.head_sha256[head]))
+            job.add(start, start + block, RangeCheck(part.name, head, part.head_sha256[head]))
 
 
 def sidecar_intact(path: Path, record: SidecarRecord, tensors: Iterable[FoldTensor], heads: int) -> bool:

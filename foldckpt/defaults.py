@@ -11,9 +11,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-# ``--fold-dtype`` choices and the safetensors dtype each is stored as.
-FOLD_DTYPE_NAMES: dict[str, str] = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+# ``--fold-dtype`` choices and the safetensors dtype each is stored as. "fp8" is OCP e4m3 (e4m3fn)
+# with an fp32 scale per output row beside it (``q_fold.weight_scale``; foldckpt.fold).
+FOLD_DTYPE_NAMES: dict[str, str] = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "fp8": "F8_E4M3"}
 DEFAULT_FOLD_DTYPE = "bfloat16"
+SCALED_FOLD_DTYPES = ("fp8",)
+FOLD_SCALE_DTYPE = "F32"
+_TORCH_DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "fp8": "float8_e4m3fn"}
 # The fold is always accumulated in fp32 and rounded once to the fold dtype.
 ACCUMULATION_DTYPE = "float32"
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
@@ -31,7 +35,7 @@ def fold_torch_dtype(name: str) -> torch.dtype:
 
     if name not in FOLD_DTYPE_NAMES:
         raise KeyError(name)
-    return getattr(torch, name)
+    return getattr(torch, _TORCH_DTYPE_NAMES[name])
 
 
 # ``convert --device``: where the fold is computed. "cpu" is the default: the fold is cheap next to

@@ -34,6 +34,8 @@ ROUNDING_TOLERANCE: dict[torch.dtype, float] = {
     torch.bfloat16: 2.0**-8,
     torch.float16: 2.0**-10,
     torch.float32: 1e-6,
+    # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 relative; scaled rows use the top binades.
+    torch.float8_e4m3fn: 2.0**-4,
 }
 
 
@@ -199,12 +201,24 @@ class FoldError:
         }
 
 
+def stored_heads(
+    fold: torch.Tensor, g: Geometry, heads: tuple[int, ...], scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The stored values of the selected heads, ``[len(heads), L+R, Lq]`` fp64 (an fp8 fold times
+    its per-row ``scale``)."""
+    index = torch.tensor(heads)
+    values = fold.reshape(g.num_heads, g.fold_head_dim, g.q_lora_rank)[index].to(torch.float64)
+    if scale is None:
+        return values
+    return values * scale.reshape(g.num_heads, g.fold_head_dim)[index].to(torch.float64).unsqueeze(-1)
+
+
 def fold_error(
-    fold: torch.Tensor, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, heads: tuple[int, ...]
-) -> FoldError:
+    fold: torch.Tensor, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, heads: tuple[int, ...],
+    scale: torch.Tensor | None = None,
+) -> FoldError:  # fmt: skip
     reference = reference_fold_heads(q_b, kv_b, g, heads)
-    stored = fold.reshape(g.num_heads, g.fold_head_dim, g.q_lora_rank)[torch.tensor(heads)]
-    diff = stored.to(torch.float64) - reference
+    diff = stored_heads(fold, g, heads, scale) - reference
     norm = reference.norm().item()
     return FoldError(
         heads=heads,
@@ -214,8 +228,9 @@ def fold_error(
 
 
 def probe_error(
-    fold: torch.Tensor, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, tokens: int = 8, seed: int = 0
-) -> float:
+    fold: torch.Tensor, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, tokens: int = 8, seed: int = 0,
+    scale: torch.Tensor | None = None,
+) -> float:  # fmt: skip
     """Relative error of ``x·W_foldᵀ`` against the unfolded two-step query on random x (fp64).
 
     This is the property decode relies on, checked end to end on the stored tensor:
@@ -228,5 +243,8 @@ def probe_error(
     q = torch.einsum("tk,hdk->htd", x, q_heads)  # [H, T, P+R]
     ql_nope = torch.bmm(q[:, :, :p], kv_heads[:, :p, :])  # [H, T, L]
     expected = torch.cat([ql_nope, q[:, :, p:]], dim=2).transpose(0, 1)  # [T, H, L+R]
-    got = (x @ fold.to(torch.float64).T).reshape(tokens, g.num_heads, g.fold_head_dim)
+    got = x @ fold.to(torch.float64).T
+    if scale is not None:
+        got = got * scale.to(torch.float64)
+    got = got.reshape(tokens, g.num_heads, g.fold_head_dim)
     return ((got - expected).norm() / expected.norm()).item()

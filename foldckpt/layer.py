@@ -18,9 +18,17 @@ from pathlib import Path
 import torch
 
 from foldckpt.errors import FoldckptError
-from foldckpt.fold import all_finite, dequantize_fp8_blocks, fold_error, fold_layer, sample_heads
+from foldckpt.fold import (
+    all_finite,
+    dequantize_fp8_blocks,
+    dequantize_fp8_rows,
+    fold_error,
+    fold_layer,
+    fold_layer_fp8,
+    sample_heads,
+)
 from foldckpt.hashing import head_digests
-from foldckpt.manifest import FoldTensor, SourceTensor
+from foldckpt.manifest import FoldTensor, ScaleTensor, SourceTensor
 from foldckpt.plan import FOLD_DTYPES, ConversionPlan, LayerPlan, SourceWeight
 from foldckpt.safetensors_format import TORCH_DTYPES, TensorInfo, read_tensor_bytes, tensor_to_bytes
 
@@ -70,13 +78,18 @@ def _load_weight(
     return tensor, records
 
 
-def nonfinite_fold_problem(fold: torch.Tensor, inputs: LayerInputs, fold_dtype: str) -> str | None:
+def nonfinite_fold_problem(
+    fold: torch.Tensor, inputs: LayerInputs, fold_dtype: str, scale: torch.Tensor | None = None
+) -> str | None:
     """Why a fold with NaN/Inf is wrong, or None when it has none (or its inputs already had some,
     which ``--allow-nonfinite`` let through): finite inputs whose fold is not finite overflowed
-    the fold dtype."""
-    if all_finite(fold) or not (all_finite(inputs.q_b_proj) and all_finite(inputs.kv_b_proj)):
+    the fold dtype (an fp8 fold: its values or its scales)."""
+    if (all_finite(fold) and (scale is None or all_finite(scale))) or not (
+        all_finite(inputs.q_b_proj) and all_finite(inputs.kv_b_proj)
+    ):
         return None
-    finite = torch.isfinite(fold)
+    values = fold if scale is None else dequantize_fp8_rows(fold, scale)
+    finite = torch.isfinite(values)
     count = int(finite.numel() - finite.sum())
     return (
         f"{count} of its {fold.numel()} values are Inf or NaN although q_b_proj and kv_b_proj are finite: "
@@ -84,8 +97,10 @@ def nonfinite_fold_problem(fold: torch.Tensor, inputs: LayerInputs, fold_dtype: 
     )
 
 
-def check_fold_finite(fold: torch.Tensor, inputs: LayerInputs, layer: LayerPlan, fold_dtype: str) -> None:
-    problem = nonfinite_fold_problem(fold, inputs, fold_dtype)
+def check_fold_finite(
+    fold: torch.Tensor, inputs: LayerInputs, layer: LayerPlan, fold_dtype: str, scale: torch.Tensor | None = None
+) -> None:
+    problem = nonfinite_fold_problem(fold, inputs, fold_dtype, scale)
     if problem is not None:
         raise FoldckptError(
             f"{plan_layer_label(layer)}: {problem} (largest value {torch.finfo(fold.dtype).max:.6g}); "
@@ -118,11 +133,20 @@ def fold_from_source(
     """The stored bytes of one layer's fold (the tensors in sidecar order) and its manifest record."""
     geometry = plan.geometry
     inputs = load_layer_inputs(plan, layer, allow_nonfinite, fetch)
-    fold = fold_layer(inputs.q_b_proj, inputs.kv_b_proj, geometry, FOLD_DTYPES[plan.fold_dtype], device)
-    check_fold_finite(fold, inputs, layer, plan.fold_dtype)
-    error = fold_error(fold, inputs.q_b_proj, inputs.kv_b_proj, geometry, sample_heads(geometry.num_heads))
-    data = tensor_to_bytes(fold)
-    leaves = head_digests(data, geometry.num_heads, pool)  # each fold byte hashed once, any TP size served
+    scale: torch.Tensor | None = None
+    if layer.scale_output is not None:
+        fold, scale = fold_layer_fp8(inputs.q_b_proj, inputs.kv_b_proj, geometry, device)
+    else:
+        fold = fold_layer(inputs.q_b_proj, inputs.kv_b_proj, geometry, FOLD_DTYPES[plan.fold_dtype], device)
+    check_fold_finite(fold, inputs, layer, plan.fold_dtype, scale)
+    error = fold_error(fold, inputs.q_b_proj, inputs.kv_b_proj, geometry, sample_heads(geometry.num_heads), scale)
+    data = [tensor_to_bytes(fold)] + ([] if scale is None else [tensor_to_bytes(scale)])
+    # each fold byte hashed once, head block by head block: any rank of any TP size checks its own
+    leaves = [head_digests(part, geometry.num_heads, pool) for part in data]
+    scale_record = None
+    if layer.scale_output is not None:
+        spec = layer.scale_output
+        scale_record = ScaleTensor(spec.name, spec.dtype, spec.shape, leaves[1])
     record = FoldTensor(
         name=layer.output.name,
         layer_index=layer.layer.index,
@@ -130,8 +154,9 @@ def fold_from_source(
         file=shard,
         dtype=layer.output.dtype,
         shape=geometry.fold_shape,
-        head_sha256=leaves,
+        head_sha256=leaves[0],
         sources=inputs.sources,
         error=error.to_dict(),
+        scale=scale_record,
     )
-    return [data], record
+    return data, record

