@@ -21,6 +21,20 @@ For Kimi-K3 at TP4/8/16 and DeepSeek-V3 at TP8 and M from 1 to 8192 tokens it ti
   routed           what the plugin does: fold_gemm if M <= fold_route_max_tokens (timed; it runs
                    the table's backend for that M: tiled Triton, skinny Triton or cuBLAS), else
                    the unfolded path (then the unfolded time itself)
+The fp8 fold (W_fold quantized per row to e4m3 with an fp32 scale, foldckpt.fold.quantize_fp8_rows,
+weight-only: x stays bf16) at every M:
+  folded_fp8         fold_gemm(x, W_fp8, scale=s): the table's [[fp8_shape]] backend for that M
+                     (tiled or skinny fp8 Triton kernel; above M = 256 the torch fallback, which
+                     dequantizes the weight in fp32 on every call)
+  folded_fp8_triton  the tiled fp8 kernel with the bucket's config (M <= 256)
+  folded_fp8_skinny  the skinny fp8 kernel with the tile's config (M <= 16)
+  fp8_routed         fold_gemm fp8 if M <= fold_route_max_tokens(..., weight_dtype=float8_e4m3fn),
+                     else the unfolded path
+  fp8_floor          bytes of W_fp8 + its scale + x + y over the measured copy bandwidth
+  path_fp8_routed    (RoPE models) fold_query with the fp8 weight if M <= the fp8 threshold, else
+                     path_unfolded
+The fp8 variants are checked against the fp64 product with the dequantized fp8 weight (the
+kernel's job); their distance to the exact query (the fp8 rounding of W_fold) is reported apart.
 Kimi-K3 is NoPE (the rope slot of each head exists but is never rotated), so its rows time the
 projection alone, which is all a Kimi-K3 decode step launches for the query. DeepSeek-V3 keeps
 RoPE, and for it also the decode query path with RoPE (q_pe and k_pe):
@@ -56,6 +70,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from foldckpt.fold import quantize_fp8_rows  # noqa: E402
 from foldckpt.runtime.kernels import (  # noqa: E402
     QueryRope,
     fold_gemm,
@@ -82,10 +97,12 @@ from foldckpt.runtime.kernels.timing import (  # noqa: E402
     time_graphs_us,
 )
 from foldckpt.runtime.kernels.tuning import (  # noqa: E402
+    FP8_WEIGHT_DTYPE,
     TRITON_MAX_M,
     Bucket,
     KernelConfig,
     SkinnyConfig,
+    kernel_config_for,
     load_table,
     q_b_proj_bucket,
     skinny_config,
@@ -103,9 +120,10 @@ LAYER_COPIES = 16
 CALLS_PER_GRAPH = 32
 VARIANTS = (
     "unfolded_cublas", "unfolded_triton", "unfolded_skinny", "folded_torch", "folded_triton", "folded_skinny", "routed",
-    "path_unfolded", "path_routed",
+    "folded_fp8", "folded_fp8_triton", "folded_fp8_skinny", "fp8_routed", "path_unfolded", "path_routed",
+    "path_fp8_routed",
 )  # fmt: skip
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 COLUMNS = {
     "unfolded_us": "the fastest of unfolded_cublas_us, unfolded_triton_us and unfolded_skinny_us at this M "
     "(the fair baseline; schema 1: cuBLAS only)",
@@ -125,6 +143,17 @@ COLUMNS = {
     "path_unfolded_us": "RoPE models only: q_b_proj (cuBLAS), one RoPE launch, W_UK bmm; null for NoPE",
     "path_routed_us": "RoPE models only: fold_query if M <= fold_max_tokens else path_unfolded; null for NoPE",
     "rope": "whether the model rotates its rope slot (Kimi-K3: NoPE, false)",
+    "folded_fp8_us": "schema 3: the fp8 fold (e4m3 W_fold + fp32 scale per row, bf16 x) through fold_gemm: the "
+    "table's [[fp8_shape]] backend for this M (above M = 256 the fp32 dequantizing torch fallback)",
+    "folded_fp8_triton_us": "schema 3: the fp8 fold through the tiled fp8 Triton kernel with this M's bucket config; "
+    "null above M = 256",
+    "folded_fp8_skinny_us": "schema 3: the fp8 fold through the skinny fp8 Triton kernel; null above M = 16",
+    "fp8_routed_us": "schema 3: fold_gemm fp8 if M <= the fp8 fold_max_tokens (meta.shapes), else unfolded_us",
+    "fp8_floor_us": "schema 3: bytes of the e4m3 W_fold + its fp32 scale + x + y over the measured copy bandwidth",
+    "path_fp8_routed_us": "schema 3, RoPE models only: fold_query with the fp8 weight if M <= the fp8 fold_max_tokens, "
+    "else path_unfolded",
+    "max_relerr_fp8": "schema 3: worst fp8 variant's relative error vs the fp64 product with the dequantized fp8 "
+    "weight (the kernels' rounding; the fp8 quantization of W_fold itself is meta.shapes' fp8_quant_relerr)",
 }
 # A q projection's result: the fold's y [M, n*(L+R)], or the unfolded (ql_nope, q_pe) views.
 Query = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -140,12 +169,20 @@ class Layers:
         uk = (
             torch.randn(dims.heads, dims.nope, dims.kv_lora, device=device, generator=gen) / dims.nope**0.5
         ).bfloat16()
-        fold = fold_weight(qb, uk, dims, torch.bfloat16)
+        exact = fold_weight(qb, uk, dims, torch.float64)
+        fold = exact.to(torch.bfloat16)
+        fp8, scale = quantize_fp8_rows(exact)
+        fp8, scale = fp8.to(device), scale.to(device)
         self.dims = dims
         self.qb, self.uk, self.fold = qb, uk, fold
+        self.fp8, self.scale = fp8, scale
+        # What the fp8 kernels approximate: the dequantized weight, exactly, in fp64.
+        self.fp8_exact = fp8.double() * scale.double()[:, None]
         self.qbs = [qb.clone() for _ in range(LAYER_COPIES)]
         self.uks = [uk.clone() for _ in range(LAYER_COPIES)]
         self.folds = [fold.clone() for _ in range(LAYER_COPIES)]
+        self.fp8s = [fp8.clone() for _ in range(LAYER_COPIES)]
+        self.scales = [scale.clone() for _ in range(LAYER_COPIES)]
 
     def order(self) -> list[int]:
         return [i % LAYER_COPIES for i in range(CALLS_PER_GRAPH)]
@@ -166,14 +203,17 @@ def variants_at(
     skinny: dict[str, SkinnyConfig | None],
     max_tokens: int,
     rope: QueryRope | None,
+    fp8_cfg: KernelConfig | None = None,
+    fp8_max_tokens: int = 0,
 ) -> dict[str, Callable[[int], Query]]:
     """The timed q projections for input ``x``, each a function of the layer copy index; the RoPE
-    path variants only where ``rope`` is given, ``routed`` only where it takes the fold."""
+    path variants only where ``rope`` is given, ``routed`` only where it takes the fold (and
+    ``fp8_routed`` only where it takes the fp8 fold)."""
     from foldckpt.runtime.kernels import triton_gemm
 
     m, dims = x.shape[0], layers.dims
     qb_cfg = qb_bucket.config if qb_bucket is not None else None
-    sk_qb, sk_fold = skinny.get("q_b_proj"), skinny.get("fold")
+    sk_qb, sk_fold, sk_fp8 = skinny.get("q_b_proj"), skinny.get("fold"), skinny.get("fold_fp8")
     q = torch.empty(m, layers.qb.shape[0], device=x.device, dtype=torch.bfloat16)
     q_sk = torch.empty_like(q)
 
@@ -202,9 +242,28 @@ def variants_at(
     def routed(i: int) -> Query:
         return fold_gemm(x, layers.folds[i])
 
-    variants = {"unfolded_cublas": unfolded_cublas, "folded_torch": folded_torch}
+    def folded_fp8(i: int) -> Query:
+        return fold_gemm(x, layers.fp8s[i], scale=layers.scales[i])
+
+    def folded_fp8_triton(i: int) -> Query:
+        y = torch.empty(m, dims.fold_rows, device=x.device, dtype=torch.bfloat16)
+        triton_gemm.launch_fold_gemm(x, layers.fp8s[i], y, fp8_cfg, scale=layers.scales[i])
+        return y
+
+    def folded_fp8_skinny(i: int) -> Query:
+        y = torch.empty(m, dims.fold_rows, device=x.device, dtype=torch.bfloat16)
+        triton_gemm.launch_skinny_gemm(x, layers.fp8s[i], y, sk_fp8, scale=layers.scales[i])
+        return y
+
+    variants = {"unfolded_cublas": unfolded_cublas, "folded_torch": folded_torch, "folded_fp8": folded_fp8}
     if m <= max_tokens:
         variants["routed"] = routed
+    if m <= fp8_max_tokens:
+        variants["fp8_routed"] = folded_fp8
+    if fp8_cfg is not None:
+        variants["folded_fp8_triton"] = folded_fp8_triton
+    if sk_fp8 is not None:
+        variants["folded_fp8_skinny"] = folded_fp8_skinny
     if qb_cfg is not None:
         variants["unfolded_triton"] = unfolded_triton
     if sk_qb is not None:
@@ -222,8 +281,14 @@ def variants_at(
         def path_routed(i: int) -> Query:
             return fold_query(x, layers.folds[i], rope) if m <= max_tokens else path_unfolded(i)
 
+        def path_fp8_routed(i: int) -> Query:
+            if m <= fp8_max_tokens:
+                return fold_query(x, layers.fp8s[i], rope, layers.scales[i])
+            return path_unfolded(i)
+
         variants["path_unfolded"] = path_unfolded
         variants["path_routed"] = path_routed
+        variants["path_fp8_routed"] = path_fp8_routed
     return variants
 
 
@@ -237,18 +302,28 @@ def bench_model(
     n, k = dims.fold_rows, dims.q_lora
     qn = layers.qb.shape[0]
     max_tokens = fold_route_max_tokens(n, k, device)
+    fp8_max_tokens = fold_route_max_tokens(n, k, device, weight_dtype=FP8_WEIGHT_DTYPE)
     warmup_fold_gemm(layers.fold, min(max(MS), max_tokens))
+    # The fp8 fold is timed through fold_gemm at every M: warm all of its buckets.
+    warmup_fold_gemm(layers.fp8, TRITON_MAX_M, scale=layers.scale)
     if uses_rope:
-        warmup_fold_query(
-            layers.fold, min(max(MS), max_tokens), decode_rope(1, dims, device).cos_sin_cache, dims.fold_head
-        )
+        cache = decode_rope(1, dims, device).cos_sin_cache
+        warmup_fold_query(layers.fold, min(max(MS), max_tokens), cache, dims.fold_head)
+        warmup_fold_query(layers.fp8, min(max(MS), max(fp8_max_tokens, 1)), cache, dims.fold_head, layers.scale)
     table = load_table(gpu_key(device))
     entry = table.shapes.get((n, k)) if table is not None else None
+    fp8_entry = table.fp8_shapes.get((n, k)) if table is not None else None
+    # How far the fp8 rounding of W_fold alone moves the query (x = ones would be too tame: random x).
+    x_q = torch.randn(64, k, device=device, dtype=torch.bfloat16)
+    exact_q = x_q.double() @ fold_weight(layers.qb, layers.uk, dims, torch.float64).t()
+    fp8_quant_relerr = ((x_q.double() @ layers.fp8_exact.t() - exact_q).norm() / exact_q.norm()).item()
+    del x_q, exact_q
 
     records = []
     errors: dict[str, float] = {}
     kernels_won: dict[int, str] = {}
     fold_backends: dict[int, str] = {}
+    fp8_backends: dict[int, str] = {}
     for m in MS:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         ref = reference_query(x, layers.qb, layers.uk, dims)
@@ -262,17 +337,45 @@ def bench_model(
         cfg = bucket.config if bucket is not None else None
         fold_backends[m] = bucket.backend if bucket is not None else "torch"
         qb_bucket = q_b_proj_bucket(table, qn, k, m) if m <= TRITON_MAX_M else None
-        skinny = {"q_b_proj": skinny_config(table, "q_b_proj", qn, k, m), "fold": skinny_config(table, "fold", n, k, m)}
+        skinny = {
+            "q_b_proj": skinny_config(table, "q_b_proj", qn, k, m),
+            "fold": skinny_config(table, "fold", n, k, m),
+            "fold_fp8": skinny_config(table, "fold_fp8", n, k, m),
+        }
+        # The tiled fp8 kernel's config: the bucket's (its tiled config also where skinny or torch
+        # won), or on an fp8 shape the table never measured the untuned default fold_gemm runs.
+        fp8_bucket = fp8_entry.bucket_for(m) if fp8_entry is not None and m <= TRITON_MAX_M else None
+        if fp8_bucket is not None:
+            fp8_cfg = fp8_bucket.config
+        else:
+            fp8_cfg = kernel_config_for(gpu_key(device), n, k, m, FP8_WEIGHT_DTYPE) if m <= TRITON_MAX_M else None
+        fp8_cfg = fp8_cfg if isinstance(fp8_cfg, KernelConfig) else None
+        fp8_backends[m] = fp8_bucket.backend if fp8_bucket is not None else ("triton" if fp8_cfg else "torch")
 
         if cfg is not None:
             triton_gemm.reserve_workspace(device, *triton_gemm.workspace_needs(m, n, cfg))
         if qb_bucket is not None:
             triton_gemm.reserve_workspace(device, *triton_gemm.workspace_needs(m, qn, qb_bucket.config))
-        variants = variants_at(x, layers, cfg, qb_bucket, skinny, max_tokens, rope)
-        errs = {}
+        if fp8_cfg is not None:
+            triton_gemm.reserve_workspace(device, *triton_gemm.workspace_needs(m, n, fp8_cfg))
+        variants = variants_at(x, layers, cfg, qb_bucket, skinny, max_tokens, rope, fp8_cfg, fp8_max_tokens)
+        # The fp8 variants' reference: the fp64 product with the dequantized fp8 weight (RoPE'd for the path).
+        ref_fp8 = (x.double() @ layers.fp8_exact.t()).view(m, dims.heads, dims.fold_head)
+        roped_ref_fp8 = None
+        if rope is not None:
+            roped_ref_fp8 = ref_fp8.clone()
+            roped_ref_fp8[..., dims.kv_lora :] = rope_gptj(
+                ref_fp8[..., dims.kv_lora :], rope.positions, rope.cos_sin_cache
+            )
+        errs, fp8_errs = {}, {}
         for name, fn in variants.items():
-            errs[name] = relative_error(as_query(fn(0), dims), roped_ref if name.startswith("path_") else ref)
-            errors[name] = max(errors.get(name, 0.0), errs[name])
+            fp8 = "fp8" in name and not (name == "path_fp8_routed" and m > fp8_max_tokens)
+            if fp8:
+                expected = roped_ref_fp8 if name.startswith("path_") else ref_fp8
+            else:
+                expected = roped_ref if name.startswith("path_") else ref
+            (fp8_errs if fp8 else errs)[name] = relative_error(as_query(fn(0), dims), expected)
+            errors[name] = max(errors.get(name, 0.0), (fp8_errs if fp8 else errs)[name])
         settle_clocks(device)
         times = time_graphs_us({name: [partial(fn, i) for i in layers.order()] for name, fn in variants.items()})
         unfolded = {kn: times.get(f"unfolded_{kn}") for kn in ("cublas", "triton", "skinny")}
@@ -280,8 +383,11 @@ def bench_model(
         if m > max_tokens:
             # The router leaves this batch to the unfolded path: the same launches as the baseline.
             times["routed"] = unfolded[kernel]
+        if m > fp8_max_tokens:
+            times["fp8_routed"] = unfolded[kernel]
         kernels_won[m] = kernel
         floor_bytes = (n * k + m * k + m * n) * 2
+        fp8_floor_bytes = n * k + n * 4 + (m * k + m * n) * 2
         uk_elems = dims.heads * dims.nope * dims.kv_lora
         unfolded_floor_bytes = (qn * k + uk_elems + m * k + m * qn + m * dims.heads * dims.kv_lora) * 2
         rounded = {name: round(t, 3) for name, t in times.items()}
@@ -304,15 +410,23 @@ def bench_model(
             "path_unfolded_us": rounded.get("path_unfolded"),
             "path_routed_us": rounded.get("path_routed"),
             "max_relerr": float(f"{max(errs.values()):.3e}"),
+            "folded_fp8_us": rounded.get("folded_fp8"),
+            "folded_fp8_triton_us": rounded.get("folded_fp8_triton"),
+            "folded_fp8_skinny_us": rounded.get("folded_fp8_skinny"),
+            "fp8_routed_us": rounded.get("fp8_routed"),
+            "fp8_floor_us": round(fp8_floor_bytes / bandwidth * 1e6, 3),
+            "path_fp8_routed_us": rounded.get("path_fp8_routed"),
+            "max_relerr_fp8": float(f"{max(fp8_errs.values()):.3e}"),
         }
         records.append(record)
         print(
             f"{model} TP{tp} M={m:5d}: "
             + " ".join(f"{v}={times[v]:.2f}" for v in VARIANTS if v in times)
-            + f" floor={record['floor_us']:.2f} us (q_b_proj: {kernel}), relerr {record['max_relerr']:.1e}",
+            + f" floor={record['floor_us']:.2f} fp8_floor={record['fp8_floor_us']:.2f} us (q_b_proj: {kernel}), "
+            f"relerr {record['max_relerr']:.1e} (fp8 kernels {record['max_relerr_fp8']:.1e})",
             flush=True,
         )
-        del ref, roped_ref
+        del ref, roped_ref, ref_fp8, roped_ref_fp8
     shape = {
         "n": n,
         "k": k,
@@ -321,6 +435,9 @@ def bench_model(
         "fold_max_tokens": max_tokens,
         "q_b_proj_kernel_by_m": kernels_won,
         "fold_backend_by_m": fold_backends,
+        "fp8_fold_max_tokens": fp8_max_tokens,
+        "fp8_backend_by_m": fp8_backends,
+        "fp8_quant_relerr": float(f"{fp8_quant_relerr:.3e}"),
         "max_relerr_by_variant": errors,
     }
     return records, shape
@@ -344,6 +461,7 @@ def target_checks(records: list[dict], shapes: list[dict], overhead: float) -> l
                 f"{r['model']} TP{r['tp']} M={r['M']}: decode q path with RoPE {r['path_unfolded_us']:.2f} -> "
                 f"{r['path_routed_us']:.2f} us ({r['path_unfolded_us'] / r['path_routed_us']:.2f}x)"
             )
+    lines += fp8_checks(records, shapes)
     for shape in shapes:
         won = ", ".join(f"{m}:{kernel}" for m, kernel in shape["q_b_proj_kernel_by_m"].items())
         fold = ", ".join(f"{m}:{b}" for m, b in shape["fold_backend_by_m"].items() if m <= TRITON_MAX_M)
@@ -356,6 +474,48 @@ def target_checks(records: list[dict], shapes: list[dict], overhead: float) -> l
         f"routed vs best of folded/unfolded: worst {routed_ratio(worst):.3f}x at {worst['model']} TP{worst['tp']} "
         f"M={worst['M']} (target >= 0.97)"
     )
+    return lines
+
+
+def best_bf16_fold(r: dict) -> float:
+    """The fastest bf16 fold measured at a record (cuBLAS, tiled or skinny Triton)."""
+    return min(v for v in (r["folded_torch_us"], r["folded_triton_us"], r.get("folded_skinny_us")) if v is not None)
+
+
+def fp8_checks(records: list[dict], shapes: list[dict]) -> list[str]:
+    """The fp8 fold's targets: at Kimi-K3 TP8 M <= 16 >= 1.5x the unfolded path and <= 1.5x the fp8
+    floor; everywhere the fp8 router takes the fold, never slower than the fastest bf16 fold."""
+    lines = []
+    for r in records:
+        if r["model"] == "Kimi-K3" and r["tp"] == 8 and r["M"] <= 56 and r.get("folded_fp8_us"):
+            t = r["folded_fp8_us"]
+            lines.append(
+                f"Kimi-K3 TP8 M={r['M']}: fp8 fold {t:.2f} us, {r['unfolded_us'] / t:.2f}x vs unfolded "
+                f"{r['unfolded_us']:.2f} us (target >= 1.5 at M <= 16), {t / r['fp8_floor_us']:.2f}x fp8 floor "
+                f"{r['fp8_floor_us']:.2f} us (target <= 1.5), {best_bf16_fold(r) / t:.2f}x vs the best bf16 fold "
+                f"{best_bf16_fold(r):.2f} us"
+            )
+    thresholds = {(s["model"], s["tp"]): s.get("fp8_fold_max_tokens", 0) for s in shapes}
+    routed = [r for r in records if r.get("folded_fp8_us") and r["M"] <= thresholds.get((r["model"], r["tp"]), 0)]
+    if routed:
+        worst = max(routed, key=lambda r: r["folded_fp8_us"] / best_bf16_fold(r))
+        lines.append(
+            f"fp8 fold vs best bf16 fold where the fp8 router takes the fold: worst {worst['folded_fp8_us']:.2f} vs "
+            f"{best_bf16_fold(worst):.2f} us ({best_bf16_fold(worst) / worst['folded_fp8_us']:.2f}x) at "
+            f"{worst['model']} TP{worst['tp']} M={worst['M']} (target >= 1.00x); "
+            + ", ".join(f"{m} TP{tp} fp8 fold_max_tokens={t}" for (m, tp), t in thresholds.items())
+        )
+        worst_routed = min(routed, key=lambda r: r["unfolded_us"] / r["fp8_routed_us"])
+        lines.append(
+            f"fp8 routed vs unfolded: worst {worst_routed['unfolded_us'] / worst_routed['fp8_routed_us']:.3f}x at "
+            f"{worst_routed['model']} TP{worst_routed['tp']} M={worst_routed['M']} (target >= 0.97)"
+        )
+    for r in records:
+        if r["rope"] and r["M"] <= 56 and r.get("path_fp8_routed_us") is not None:
+            lines.append(
+                f"{r['model']} TP{r['tp']} M={r['M']}: decode q path with RoPE, fp8 fold {r['path_unfolded_us']:.2f} "
+                f"-> {r['path_fp8_routed_us']:.2f} us ({r['path_unfolded_us'] / r['path_fp8_routed_us']:.2f}x)"
+            )
     return lines
 
 
@@ -393,10 +553,12 @@ def plot(doc: dict, path: Path) -> None:
         "floor_us": ("bandwidth floor (W_fold+x+y)", "tab:green", ":"),
         "path_unfolded_us": ("q path + RoPE, vLLM", "tab:purple", "x:"),
         "path_routed_us": ("q path + RoPE, plugin", "tab:orange", "d-"),
+        "folded_fp8_us": ("folded fp8 (fold_gemm)", "tab:cyan", "P-"),
+        "fp8_floor_us": ("fp8 bandwidth floor", "tab:olive", ":"),
     }
     # Each speed-up is against the unfolded variant doing the same work.
     baselines = {"path_routed_us": "path_unfolded_us"}
-    no_speedup = ("unfolded_us", "unfolded_cublas_us", "floor_us", "path_unfolded_us")
+    no_speedup = ("unfolded_us", "unfolded_cublas_us", "floor_us", "path_unfolded_us", "fp8_floor_us")
     for col, (model, tp) in enumerate(deployments):
         rows = sorted((r for r in doc["records"] if r["model"] == model and r["tp"] == tp), key=lambda r: r["M"])
         top, bottom = axes[0][col], axes[1][col]

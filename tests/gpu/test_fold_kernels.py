@@ -170,7 +170,9 @@ def test_fold_gemm_never_runs_q_b_proj_configs(
     launches: list[KernelConfig] = []
     real = triton_gemm.launch_fold_gemm
     monkeypatch.setattr(
-        triton_gemm, "launch_fold_gemm", lambda x, w, y, cfg, rope=None: (launches.append(cfg), real(x, w, y, cfg, rope))
+        triton_gemm,
+        "launch_fold_gemm",
+        lambda x, w, y, cfg, rope=None, scale=None: (launches.append(cfg), real(x, w, y, cfg, rope, scale=scale)),
     )
     for n, k in table.q_b_proj:
         if (n, k) in table.shapes:
@@ -259,13 +261,13 @@ def record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, KernelCo
     launches: list[tuple[str, KernelConfig | SkinnyConfig]] = []
     tiled, skinny = triton_gemm.launch_fold_gemm, triton_gemm.launch_skinny_gemm
 
-    def launch_tiled(x, w, y, cfg, rope=None):  # noqa: ANN001, ANN202 - mirrors the real signature
+    def launch_tiled(x, w, y, cfg, rope=None, scale=None):  # noqa: ANN001, ANN202 - mirrors the real signature
         launches.append(("tiled", cfg))
-        tiled(x, w, y, cfg, rope)
+        tiled(x, w, y, cfg, rope, scale=scale)
 
-    def launch_skinny(x, w, y, cfg):  # noqa: ANN001, ANN202
+    def launch_skinny(x, w, y, cfg, scale=None):  # noqa: ANN001, ANN202
         launches.append(("skinny", cfg))
-        skinny(x, w, y, cfg)
+        skinny(x, w, y, cfg, scale=scale)
 
     monkeypatch.setattr(triton_gemm, "launch_fold_gemm", launch_tiled)
     monkeypatch.setattr(triton_gemm, "launch_skinny_gemm", launch_skinny)

@@ -6,6 +6,18 @@ Order: aiter's ``gemm_a16w16`` on ROCm when aiter imports (its skinny kernels ar
 on CUDA the backend this GPU's tuning table chose for (N, K, M bucket): the project's tiled Triton
 kernel ("triton"), its skinny GEMV-style Triton kernel ("skinny", a few tokens only) or ``torch``
 (cuBLAS); ``torch`` (cuBLAS / the CPU GEMM) for every shape, GPU or dtype the table does not cover.
+
+The fp8 fold (``weight`` float8_e4m3fn [N, K] with ``scale`` fp32 [N], ``foldckpt.fold.quantize_fp8_rows``)
+is weight-only: the same Triton kernels load e4m3, convert it to fp16/bf16 in registers and scale
+each output row in the epilogue, so ``y = (x · weightᵀ) * scale`` is one launch with fp32
+accumulation and x is never quantized. Its buckets are the table's [[fp8_shape]] entries; an fp8
+shape the table has not measured takes the tiled kernel with ``tuning.FP8_UNTUNED_CONFIGS`` (the
+torch path would dequantize the whole weight per call). aiter has no fp8 weight-only GEMM we rely
+on, so on ROCm the fp8 fold also runs the Triton kernels, on gfx950 (MI350/MI355) only: there
+``torch.float8_e4m3fn`` is the OCP e4m3 "fn" format the hardware converts natively (gfx942's fp8 is
+the fnuz variant, so MI300 takes the torch path). On NVIDIA it needs sm_89+ (the e4m3 -> fp16 cvt).
+The torch path (CPU, no Triton, other GPUs): ``(x.float() · weight.float()ᵀ) * scale`` in fp32,
+rounded once to x's dtype.
 Which backend wins is decided by the tuner from measurements (``tune.decide``) and read here
 through ``tuning.kernel_config_for`` alone. Every decision reads only shapes, strides, dtypes and
 pointers, so there is no host sync and the call can be captured in a CUDA graph, once
@@ -26,9 +38,11 @@ import torch.nn.functional as F
 from foldckpt.runtime.kernels.device import gpu_key
 from foldckpt.runtime.kernels.rope import QueryRope, rope_query_torch
 from foldckpt.runtime.kernels.tuning import (
+    FP8_UNTUNED_CONFIGS,
     TRITON_MAX_M,
     KernelConfig,
     SkinnyConfig,
+    is_fp8_weight,
     kernel_config_for,
     load_table,
     skinny_config,
@@ -80,29 +94,86 @@ def _rows_aligned(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and row_ok and t.data_ptr() % 16 == 0
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def _fp8_triton_device(index: int) -> bool:
+    """Whether the Triton kernels can convert e4m3fn on this GPU: NVIDIA sm_89+, or ROCm gfx950
+    (whose fp8 is the OCP "fn" format; gfx942's is fnuz)."""
+    if torch.version.hip is not None:
+        return getattr(torch.cuda.get_device_properties(index), "gcnArchName", "").startswith("gfx95")
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def fp8_fold_runs_as_fp8(device: torch.device) -> bool:
+    """Whether an fp8 fold is served as e4m3 on ``device``: a GPU whose Triton kernels convert
+    e4m3fn (NVIDIA sm_89+, ROCm gfx950). Elsewhere (CPU, older GPUs, no Triton) the plugin
+    dequantizes it at load, since the torch fallback would dequantize on every step."""
+    return device.type == "cuda" and _triton_module() is not None and _fp8_triton_device(_device_index(device))
+
+
 def _triton_config(x: torch.Tensor, weight: torch.Tensor) -> KernelConfig | SkinnyConfig | None:
     """The table's Triton kernel for this call (tiled: ``KernelConfig``, skinny: ``SkinnyConfig``),
-    or None when the table chose torch or no Triton kernel may run here."""
-    if torch.version.hip is not None or x.dtype not in _TRITON_DTYPES or weight.dtype != x.dtype:
+    or None when the table chose torch or no Triton kernel may run here. An e4m3 ``weight`` is the
+    fp8 fold (its scale is checked by the caller): its own table entries, and ROCm gfx950 too."""
+    fp8 = is_fp8_weight(weight.dtype)
+    if x.dtype not in _TRITON_DTYPES or (weight.dtype != x.dtype and not fp8):
+        return None
+    if torch.version.hip is not None and not fp8:
         return None
     m, k = x.shape
     n = weight.shape[0]
     if not 1 <= m <= TRITON_MAX_M or not weight.is_contiguous() or not _rows_aligned(x):
         return None
-    return kernel_config_for(gpu_key(x.device), n, k, m)
+    if fp8 and (x.device.type != "cuda" or not _fp8_triton_device(_device_index(x.device))):
+        return None
+    if fp8 and n % 8:
+        return None  # y's rows would not be 16-byte aligned (a tuned shape always is; an untuned may not)
+    cfg = kernel_config_for(gpu_key(x.device), n, k, m, weight.dtype)
+    if cfg is None or not cfg.fits(k):
+        return None  # the untuned fp8 configs' block_k need not divide an arbitrary k
+    if torch.version.hip is not None and isinstance(cfg, KernelConfig) and (cfg.pdl or cfg.use_tma):
+        return None  # an NVIDIA-only launch option in a ROCm table: never launched there
+    return cfg
 
 
-def _torch_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def _torch_gemm(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    if scale is not None:
+        # The fp8 fold: what the kernels compute, in fp32 (e4m3 -> fp32 is exact), rounded once.
+        y = torch.mm(x.float(), weight.float().t()).mul_(scale.float())
+        if out is None:
+            return y.to(x.dtype)
+        out.copy_(y)
+        return out
     if out is None:
         return F.linear(x, weight)
     return torch.mm(x, weight.t(), out=out)
 
 
-def _check_shapes(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> None:
+def _check_shapes(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, scale: torch.Tensor | None = None
+) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"fold_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} are not [M, K] x [N, K]")
     if out is not None and tuple(out.shape) != (x.shape[0], weight.shape[0]):
         raise ValueError(f"fold_gemm: out {tuple(out.shape)} is not [M, N] = {(x.shape[0], weight.shape[0])}")
+    fp8 = is_fp8_weight(weight.dtype)
+    if fp8 != (scale is not None):
+        raise ValueError(
+            f"fold_gemm: a {weight.dtype} weight "
+            + ("needs its fp32 scale per row (scale=)" if fp8 else "takes no scale (only float8_e4m3fn weights do)")
+        )
+    if scale is not None and (
+        tuple(scale.shape) != (weight.shape[0],) or scale.dtype != torch.float32 or scale.device != weight.device
+    ):
+        raise ValueError(
+            f"fold_gemm: scale {tuple(scale.shape)} {scale.dtype} on {scale.device} is not fp32 "
+            f"[N] = [{weight.shape[0]}] on {weight.device}"
+        )
 
 
 def _run_triton(
@@ -111,10 +182,11 @@ def _run_triton(
     out: torch.Tensor | None,
     cfg: KernelConfig | SkinnyConfig,
     rope: QueryRope | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Launch the tiled (``KernelConfig``, optionally with the RoPE epilogue) or the skinny kernel
-    (``SkinnyConfig``, never with RoPE); None when it cannot run here (missing Triton, unreserved
-    workspace)."""
+    (``SkinnyConfig``, never with RoPE), for the fp8 fold with ``scale``; None when it cannot run
+    here (missing Triton, unreserved workspace)."""
     module = _triton_module()
     if module is None:
         return None
@@ -134,36 +206,43 @@ def _run_triton(
     target = out if out is not None and out.dtype == x.dtype and _rows_aligned(out) else None
     if target is None:
         target = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if scale is not None and not scale.is_contiguous():
+        scale = scale.contiguous()
     with torch.cuda.device(x.device):
         if skinny:
-            module.launch_skinny_gemm(x, weight, target, cfg)
+            module.launch_skinny_gemm(x, weight, target, cfg, scale=scale)
         else:
-            module.launch_fold_gemm(x, weight, target, cfg, rope)
+            module.launch_fold_gemm(x, weight, target, cfg, rope, scale=scale)
     if out is not None and target is not out:
         out.copy_(target)
         return out
     return target
 
 
-def fold_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def fold_gemm(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """``y = x · weightᵀ`` for the decode fold: x [M, K] (a strided row view is fine), weight [N, K].
 
     Writes into ``out`` ([M, N], may be a strided view) when given and returns it; otherwise
     returns a new tensor. Same result as ``F.linear(x, weight)`` up to fp32-accumulation rounding.
+    The fp8 fold: ``weight`` float8_e4m3fn [N, K] and ``scale`` its fp32 scale per row [N]
+    (required then, refused otherwise); ``y = (x · weightᵀ) * scale`` in x's dtype, the same as
+    ``x @ (weight.float() * scale[:, None]).t()`` in fp32 rounded once (see the module docstring).
     Calls on one device must be stream-ordered with each other when a table entry uses split-K
-    (it shares one workspace per device); the shipped H200 table uses none.
+    (it shares one workspace per device).
     """
-    _check_shapes(x, weight, out)
+    _check_shapes(x, weight, out, scale)
     if x.device.type == "cuda" and x.shape[0] > 0:
-        aiter_gemm = _aiter_gemm()
+        aiter_gemm = _aiter_gemm() if scale is None else None
         if aiter_gemm is not None:
             return aiter_gemm(x, weight, dtype=x.dtype, y=out)
         cfg = _triton_config(x, weight)
         if cfg is not None:
-            y = _run_triton(x, weight, out, cfg)
+            y = _run_triton(x, weight, out, cfg, scale=scale)
             if y is not None:
                 return y
-    return _torch_gemm(x, weight, out)
+    return _torch_gemm(x, weight, out, scale)
 
 
 def rope_query(y: torch.Tensor, rope: QueryRope) -> None:
@@ -179,27 +258,30 @@ def rope_query(y: torch.Tensor, rope: QueryRope) -> None:
     rope_query_torch(y, rope)
 
 
-def fold_query(x: torch.Tensor, weight: torch.Tensor, rope: QueryRope) -> torch.Tensor:
+def fold_query(
+    x: torch.Tensor, weight: torch.Tensor, rope: QueryRope, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """The decode MQA query ``x · weightᵀ`` [M, N] with RoPE on the last R columns of every head,
-    and the rotated key in ``rope.k_out`` (never a rotated copy of ``k_pe``).
+    and the rotated key in ``rope.k_out`` (never a rotated copy of ``k_pe``); for the fp8 fold
+    ``scale`` as ``fold_gemm`` (the rows are scaled before they are rotated).
 
     One launch where the table's bucket for this batch chose the tiled Triton kernel and measured
     its RoPE epilogue faster (``rope_epilogue``); otherwise ``fold_gemm`` (whichever backend the
     table chose: tiled, skinny or torch) and then ``rope_query``. vLLM's decode query takes three
     (q_b_proj, RoPE, W_UK bmm).
     """
-    _check_shapes(x, weight, None)
+    _check_shapes(x, weight, None, scale)
     rope.check(x.shape[0], weight.shape[0])
-    if x.device.type == "cuda" and x.shape[0] > 0 and _aiter_gemm() is None:
+    if x.device.type == "cuda" and x.shape[0] > 0 and (_aiter_gemm() is None or scale is not None):
         cfg = _triton_config(x, weight)
         # The skinny kernel has no RoPE epilogue: its buckets take fold_gemm + rope_query below.
         fused = isinstance(cfg, KernelConfig) and cfg.rope_epilogue
         module = _triton_module() if fused else None
         if module is not None and module.rope_fits(weight.shape[0], cfg):
-            y = _run_triton(x, weight, None, cfg, rope)
+            y = _run_triton(x, weight, None, cfg, rope, scale)
             if y is not None:
                 return y
-    y = fold_gemm(x, weight)
+    y = fold_gemm(x, weight, scale=scale)
     rope_query(y, rope)
     return y
 
@@ -208,8 +290,9 @@ def _warm_ms(weight: torch.Tensor, max_m: int) -> list[int]:
     """One token count per tuned bucket up to ``max_m`` (each compiles one kernel), plus max_m;
     in a skinny bucket one per skinny token tile inside it (each tile is its own compile)."""
     ms = {max_m}
-    table = load_table(gpu_key(weight.device)) if torch.version.hip is None else None
-    entry = table.shapes.get(tuple(weight.shape)) if table is not None else None
+    fp8 = is_fp8_weight(weight.dtype)
+    table = load_table(gpu_key(weight.device)) if torch.version.hip is None or fp8 else None
+    entry = table.entries(weight.dtype).get(tuple(weight.shape)) if table is not None else None
     if entry is not None:
         ms.update(min(b.m_max, max_m) for b in entry.buckets)
         lo = 0
@@ -217,53 +300,78 @@ def _warm_ms(weight: torch.Tensor, max_m: int) -> list[int]:
             if bucket.backend == "skinny":
                 first_m: dict[SkinnyConfig | None, int] = {}
                 for m in range(lo + 1, bucket.m_max + 1):
-                    first_m.setdefault(skinny_config(table, "fold", entry.n, entry.k, m), m)
+                    first_m.setdefault(skinny_config(table, "fold_fp8" if fp8 else "fold", entry.n, entry.k, m), m)
                 ms.update(min(m, max_m) for m in first_m.values())
             lo = bucket.m_max
+    elif fp8:
+        ms.update(min(m_max, max_m) for m_max, _ in FP8_UNTUNED_CONFIGS)
     elif torch.version.hip is not None:
         # aiter buckets its configs by M at these bounds (see VLLM_NOTES.md).
         ms.update(min(b, max_m) for b in (8, 16, 32, 64, 128, 256, 512, 2048))
     return sorted(ms)
 
 
-def warmup_fold_gemm(weight: torch.Tensor, max_m: int) -> None:
-    """Compile every kernel and reserve every buffer ``fold_gemm(x, weight)`` needs for M <= max_m.
+def _act_dtype(weight: torch.Tensor, x_dtype: torch.dtype) -> torch.dtype:
+    """The activations' dtype a warm-up compiles for: the weight's own, or ``x_dtype`` for fp8."""
+    return x_dtype if is_fp8_weight(weight.dtype) else weight.dtype
 
-    Call once per distinct weight shape before CUDA graph capture; Triton compiles on first use
-    and the split-K workspace must exist before a graph records its address. A no-op on CPU.
-    Runs GEMMs on the current stream and does not synchronise.
+
+def warmup_fold_gemm(
+    weight: torch.Tensor,
+    max_m: int,
+    scale: torch.Tensor | None = None,
+    x_dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """Compile every kernel and reserve every buffer ``fold_gemm(x, weight, scale=scale)`` needs
+    for M <= max_m.
+
+    Call once per distinct weight shape (and dtype) before CUDA graph capture; Triton compiles on
+    first use and the split-K workspace must exist before a graph records its address. A no-op on
+    CPU. Runs GEMMs on the current stream and does not synchronise. For the fp8 fold pass its
+    ``scale``; ``x_dtype`` is then the activations' dtype the kernels are compiled for (a bf16 or
+    fp16 weight's activations have its dtype).
     """
     if weight.device.type != "cuda" or max_m < 1:
         return
-    module = _triton_module() if torch.version.hip is None else None
+    _check_shapes(weight[:1], weight, None, scale)
+    module = _triton_module() if torch.version.hip is None or scale is not None else None
+    dtype = _act_dtype(weight, x_dtype)
     for m in _warm_ms(weight, max_m):
-        x = torch.randn((m, weight.shape[1]), dtype=weight.dtype, device=weight.device)
+        x = torch.randn((m, weight.shape[1]), dtype=dtype, device=weight.device)
         cfg = _triton_config(x, weight)
         if isinstance(cfg, KernelConfig) and module is not None:
             module.reserve_workspace(weight.device, *module.workspace_needs(m, weight.shape[0], cfg))
-        fold_gemm(x, weight)
+        fold_gemm(x, weight, scale=scale)
         # The torch path serves buckets the table gave to cuBLAS and any fallback: warm it too.
-        _torch_gemm(x, weight, None)
+        _torch_gemm(x, weight, None, scale)
 
 
-def warmup_fold_query(weight: torch.Tensor, max_m: int, cos_sin_cache: torch.Tensor, head_dim: int) -> None:
+def warmup_fold_query(
+    weight: torch.Tensor,
+    max_m: int,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+    scale: torch.Tensor | None = None,
+    x_dtype: torch.dtype = torch.bfloat16,
+) -> None:
     """Compile the kernels ``fold_query`` runs with this weight and cache up to ``max_m`` tokens
     (the cache dtype is part of what they are compiled for): the GEMM with the RoPE epilogue per
     bucket that chose it, and the standalone RoPE kernel (one compile serves every M). Call after
-    ``warmup_fold_gemm``. A no-op on CPU."""
+    ``warmup_fold_gemm`` (with the same ``scale`` and ``x_dtype``). A no-op on CPU."""
     if weight.device.type != "cuda" or max_m < 1:
         return
     r = cos_sin_cache.shape[-1]
+    dtype = _act_dtype(weight, x_dtype)
 
     def inputs(m: int) -> tuple[torch.Tensor, QueryRope]:
-        x = torch.randn((m, weight.shape[1]), dtype=weight.dtype, device=weight.device)
-        k_pe = torch.zeros((m, r), dtype=weight.dtype, device=weight.device)
+        x = torch.randn((m, weight.shape[1]), dtype=dtype, device=weight.device)
+        k_pe = torch.zeros((m, r), dtype=dtype, device=weight.device)
         positions = torch.zeros(m, dtype=torch.long, device=weight.device)
         return x, QueryRope(positions, cos_sin_cache, k_pe, k_pe, head_dim)
 
     for m in _warm_ms(weight, max_m):
         x, rope = inputs(m)
-        fold_query(x, weight, rope)
+        fold_query(x, weight, rope, scale)
     # Buckets with the RoPE epilogue never launch the standalone kernel; one compile serves any M.
     x, rope = inputs(1)
-    rope_query(fold_gemm(x, weight), rope)
+    rope_query(fold_gemm(x, weight, scale=scale), rope)

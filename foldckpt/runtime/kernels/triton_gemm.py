@@ -34,6 +34,23 @@ The winners are whole 64-row programs (108 for Kimi-K3 TP8) with 4-6 stages of 1
 about 1.2 µs above floor + empty-kernel cost: first-load latency and the tail. PDL takes 0.2-0.3 µs
 off that (paired runs, every shape); an L2 bulk prefetch of W issued before the wait cost 2.8 µs.
 
+The fp8 fold (``scale`` given, W float8_e4m3fn + an fp32 scale per row) runs the same two kernels
+weight-only: W is streamed as e4m3 (half the bytes), converted in registers (to fp16 with
+``mma_f16``: one ``cvt.f16x2.e4m3x2`` per two values, exact; else to x's dtype, which for bf16
+goes through fp16 and fp32), the MMA runs against x unquantised (with ``mma_f16`` x is rounded to
+fp16 in the kernel: exact for |x| in [2^-14, 65504], where RMS-normalised q_c lies), and the row
+scale multiplies the fp32 accumulator once in the epilogue (before RoPE and the split-K store).
+On ROCm gfx950 the same kernels serve (e4m3fn is the OCP format there; no PDL/TMA configs).
+What the H200 fp8 search found (docs/bench/tune_nvidia_h200.*, Kimi-K3 TP8 N=6912): the fp16 MMA
+beats the bf16 one by ~3.4 us (8.8 vs 12.2 at M=16: the bf16 path converts through fp32); the
+winner at M <= 16 is a 32-row mma.sync tile, BLOCK_K=256, 5 stages, PDL: 6.5-6.9 us against a
+2.5 us floor and 7.5-7.8 us for the bf16 fold; at M=1 the skinny kernel (5.8 us). Triton lowers
+the e4m3 operand through shared memory straight into the MMA register layout (2-byte shared
+loads on the wgmma path), and with one 4-warp program per SM the convert latency is exposed:
+the search's deeper stages, 8 warps, split-K (2-4) and ragged rows all lost at M <= 16. Packing
+the conversion in inline PTX was slower in the skinny kernel (6.7 vs 5.7 us at M=1: an extra
+shared-memory relayout) and compiled to 8x the byte shuffles in the tiled one, so neither uses it.
+
 The workspace and counters live per device and are shared by all calls, so calls on one device
 must be stream-ordered with respect to each other (one stream at a time, as in a vLLM worker).
 Reserve them before CUDA graph capture (``reserve_workspace``, done by ``warmup_fold_gemm``).
@@ -75,6 +92,7 @@ def _fold_gemm_kernel(
     y_ptr,
     ws_ptr,
     cnt_ptr,
+    scale_ptr,
     pos_ptr,
     cs_ptr,
     kpe_ptr,
@@ -99,6 +117,8 @@ def _fold_gemm_kernel(
     ROPE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
+    W_FP8: tl.constexpr,
+    MMA_F16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -118,6 +138,10 @@ def _fold_gemm_kernel(
     # compiler can prove 16-byte alignment of every W/x row chunk (vector loads, cp.async).
     k_lo = pid_k * k_iters * BLOCK_K
 
+    if W_FP8:
+        # The per-row dequantisation scale: read now (the weight's, not the predecessor's), used
+        # once in the epilogue, so its latency hides behind the stream of W.
+        row_scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
     if PDL:
         # Launched with programmatic dependent launch, this program may start while the previous
         # kernel drains; past this wait all its writes (x among them) are visible.
@@ -148,6 +172,14 @@ def _fold_gemm_kernel(
         else:
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0, eviction_policy="evict_first")
         xk = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0, eviction_policy="evict_last")
+        if W_FP8:
+            # Weight-only fp8: e4m3 -> fp16 / bf16 in registers (exact either way), MMA against x
+            # unquantised; the per-row scale is applied once, in fp32, after the reduction.
+            if MMA_F16:
+                w = w.to(tl.float16)
+                xk = xk.to(tl.float16)
+            else:
+                w = w.to(xk.dtype)
         acc = tl.dot(w, tl.trans(xk), acc)
         x_ptrs += BLOCK_K
         if not USE_TMA:
@@ -160,6 +192,8 @@ def _fold_gemm_kernel(
         if key_tile:
             rope_key_rows(offs_m, m_mask, pos, cs_ptr, stride_cs, kpe_ptr, stride_kpe, kout_ptr, stride_kout, ROPE_DIM)
     if split_k == 1:
+        if W_FP8:
+            acc = acc * row_scale[:, None]
         if ROPE:
             if has_rope:
                 acc = rope_query_tile(acc, row0, m_mask, pos, cs_ptr, stride_cs, BLOCK_N, BLOCK_M, HEAD_DIM, ROPE_DIM)
@@ -183,6 +217,8 @@ def _fold_gemm_kernel(
                 total += tl.load(
                     part_base + s * tile_elems + part_offs, mask=m_mask[None, :], other=0.0, cache_modifier=".cg"
                 )
+            if W_FP8:
+                total = total * row_scale[:, None]
             if ROPE:
                 if has_rope:
                     total = rope_query_tile(
@@ -252,16 +288,23 @@ def rope_fits(n: int, cfg: KernelConfig) -> bool:
 
 
 def launch_fold_gemm(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: KernelConfig, rope: QueryRope | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    cfg: KernelConfig,
+    rope: QueryRope | None = None,
+    scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``x · weightᵀ`` into ``out`` with the Triton kernel (no host sync); with ``rope``,
     the query RoPE is applied before the store and the rotated key written to ``rope.k_out``.
+    With ``scale`` (fp32 [N]) the weight is the fp8 fold (float8_e4m3fn [N, K]) and ``out`` gets
+    ``(x · weightᵀ) * scale`` per output column, accumulated in fp32 and rounded once.
 
     Preconditions (checked by the dispatcher, not here, to keep the hot path short): bf16/fp16
     ``x`` [M, K] and ``out`` [M, N] with unit column stride and 16-byte aligned rows, ``weight``
-    [N, K] contiguous, ``K % (split_k * block_k) == 0``, the workspace reserved
-    (``reserve_workspace`` with ``workspace_needs``), and with ``rope`` a checked ``QueryRope``
-    and ``rope_fits(N, cfg)``.
+    [N, K] contiguous (x's dtype, or e4m3 with a contiguous fp32 ``scale``),
+    ``K % (split_k * block_k) == 0``, the workspace reserved (``reserve_workspace`` with
+    ``workspace_needs``), and with ``rope`` a checked ``QueryRope`` and ``rope_fits(N, cfg)``.
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -284,6 +327,7 @@ def launch_fold_gemm(
         out,
         ws.partials,
         ws.counters,
+        scale if scale is not None else ws.partials,
         pos,
         cache,
         k_pe,
@@ -308,9 +352,12 @@ def launch_fold_gemm(
         ROPE=rope is not None,
         HEAD_DIM=rope.head_dim if rope else 0,
         ROPE_DIM=rope.rope_dim if rope else 0,
+        W_FP8=scale is not None,
+        MMA_F16=scale is not None and cfg.mma_f16,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        launch_pdl=cfg.pdl,
+        # Only asked for where wanted: a backend without PDL (ROCm) need not know the option.
+        **({"launch_pdl": True} if cfg.pdl else {}),
     )
 
 
@@ -328,6 +375,7 @@ def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
     y_ptr,
+    scale_ptr,
     M,
     N,
     stride_xm,
@@ -339,6 +387,7 @@ def _skinny_gemm_kernel(
     K_ITERS: tl.constexpr,
     EVEN_N: tl.constexpr,
     PDL: tl.constexpr,
+    W_FP8: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -347,6 +396,8 @@ def _skinny_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
+    if W_FP8:
+        row_scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
     if PDL:
         gdc_wait()
     x_rows = tl.multiple_of(offs_m * stride_xm, 8)
@@ -361,12 +412,17 @@ def _skinny_gemm_kernel(
         x_ptrs = x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :]
         xk = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0, eviction_policy="evict_last")
         acc += tl.sum(w.to(tl.float32)[:, None, :] * xk.to(tl.float32)[None, :, :], axis=2)
+    if W_FP8:
+        acc = acc * row_scale[:, None]
     y_ptrs = y_ptr + tl.multiple_of(offs_m * stride_ym, 8)[None, :] + offs_n[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
 
 
-def launch_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: SkinnyConfig) -> None:
-    """Write ``x · weightᵀ`` into ``out`` with the skinny kernel (no host sync, no workspace).
+def launch_skinny_gemm(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: SkinnyConfig, scale: torch.Tensor | None = None
+) -> None:
+    """Write ``x · weightᵀ`` into ``out`` with the skinny kernel (no host sync, no workspace);
+    with ``scale`` (fp32 [N]) for an e4m3 ``weight``, ``(x · weightᵀ) * scale`` as ``launch_fold_gemm``.
 
     Preconditions as ``launch_fold_gemm`` (bf16/fp16, unit column stride, 16-byte aligned rows,
     contiguous ``weight``) and ``K % cfg.block_k == 0``.
@@ -377,6 +433,7 @@ def launch_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
         x,
         weight,
         out,
+        scale if scale is not None else out,
         m,
         n,
         x.stride(0) if m > 1 else 0,
@@ -388,6 +445,7 @@ def launch_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
         K_ITERS=k // cfg.block_k,
         EVEN_N=n % cfg.rows == 0,
         PDL=cfg.pdl,
+        W_FP8=scale is not None,
         num_warps=cfg.num_warps,
-        launch_pdl=cfg.pdl,
+        **({"launch_pdl": True} if cfg.pdl else {}),
     )

@@ -23,6 +23,13 @@ Writes ``tune_<gpu>.json`` (every measurement) and ``<gpu>.toml`` into DIR; copy
 ``configs/`` to ship it. With ``--heads`` a subset of the shapes is retuned and the others are
 kept as they are in ``--base`` (default: the shipped table; ``--base-json`` carries their
 measurements over too). Needs a CUDA GPU and Triton.
+
+    python -m foldckpt.runtime.kernels.tune --fp8 --out DIR [--budget-s 120] [--base-json JSON]
+
+tunes the fp8 fold instead (``tune_fp8``): the same steps for the e4m3 weight + per-row scale,
+written as [[fp8_shape]] / [[skinny]] role="fold_fp8" into a copy of ``--base`` whose other
+entries stay as they are (and, with ``--base-json``, its measurements plus ``fp8_search`` /
+``fp8_grid``); the unfolded baseline it is routed against uses ``--base``'s q_b_proj kernels.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import torch.nn.functional as F
 
 from foldckpt.runtime.kernels.device import gpu_key
 from foldckpt.runtime.kernels.reference import MlaDims, decode_rope, unfolded_query
+from foldckpt.runtime.kernels.rope import QueryRope
 from foldckpt.runtime.kernels.timing import (
     measure_copy_bandwidth,
     relative_error,
@@ -155,38 +163,46 @@ def launch_variants(base: KernelConfig, n: int, m: int, role: str = "fold") -> l
     return variants
 
 
-def _compile_worker(jobs: list[tuple[dict, int]]) -> list[tuple[dict, str]]:
+def _compile_worker(jobs: list[tuple]) -> list[tuple[dict, str]]:
     """Compile (by running once) each config in a fresh process; return the ones that failed.
-    A config dict with ``rows`` is a skinny-kernel config."""
+    A job is (config dict, n) or (config dict, n, fp8, rope): an fp8 job builds the fp8 fold's
+    variant (e4m3 weight + scale), a rope job the RoPE epilogue. A config dict with ``rows`` is a
+    skinny-kernel config."""
     from foldckpt.runtime.kernels import triton_gemm
 
     failed = []
-    for cfg_dict, n in jobs:
+    for job in jobs:
+        cfg_dict, n = job[0], job[1]
+        fp8, rope = (job[2], job[3]) if len(job) > 2 else (False, False)
         try:
+            w = torch.randn(n, K, device="cuda", dtype=torch.bfloat16)
+            scale = torch.rand(n, device="cuda") + 0.5 if fp8 else None
+            if fp8:
+                w = w.to(torch.float8_e4m3fn)
             if "rows" in cfg_dict:
                 sk = SkinnyConfig(**cfg_dict)
-                w = torch.randn(n, K, device="cuda", dtype=torch.bfloat16)
                 x = torch.randn(sk.block_m, K, device="cuda", dtype=torch.bfloat16)
                 y = torch.empty(sk.block_m, n, device="cuda", dtype=torch.bfloat16)
-                triton_gemm.launch_skinny_gemm(x, w, y, sk)
+                triton_gemm.launch_skinny_gemm(x, w, y, sk, scale=scale)
                 torch.cuda.synchronize()
                 continue
             cfg = KernelConfig(**cfg_dict)
-            w = torch.randn(n, K, device="cuda", dtype=torch.bfloat16)
             x = torch.randn(cfg.block_m, K, device="cuda", dtype=torch.bfloat16)
             y = torch.empty(cfg.block_m, n, device="cuda", dtype=torch.bfloat16)
-            split = replace(cfg, split_k=2)
+            split = replace(cfg, split_k=2) if K % (2 * cfg.block_k) == 0 else cfg
             triton_gemm.reserve_workspace(x.device, *triton_gemm.workspace_needs(cfg.block_m, n, split))
-            triton_gemm.launch_fold_gemm(x, w, y, split)
+            qrope = decode_rope(cfg.block_m, MlaDims(n // MlaDims(1).fold_head), x.device) if rope else None
+            triton_gemm.launch_fold_gemm(x, w, y, split, qrope, scale=scale)
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - a config that fails to build is data, not a crash
             failed.append((cfg_dict, f"{type(exc).__name__}: {str(exc)[:200]}"))
     return failed
 
 
-def precompile(configs: list[tuple[KernelConfig | SkinnyConfig, int]], workers: int) -> set:
-    """Fill Triton's on-disk cache in parallel processes; return configs that do not build."""
-    chunks = [[(asdict(c), n) for c, n in configs[i::workers]] for i in range(workers)]
+def precompile(configs: list[tuple], workers: int) -> set:
+    """Fill Triton's on-disk cache in parallel processes; return configs that do not build.
+    Each entry is (config, n) or (config, n, fp8, rope) as ``_compile_worker`` takes it."""
+    chunks = [[(asdict(c[0]), *c[1:]) for c in configs[i::workers]] for i in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         results = pool.map(_compile_worker, chunks)
     failed = set()
@@ -198,24 +214,33 @@ def precompile(configs: list[tuple[KernelConfig | SkinnyConfig, int]], workers: 
 
 
 class GemmWeights:
-    """LAYER_COPIES copies of one [n, K] weight and the Triton kernel timed over them."""
+    """LAYER_COPIES copies of one [n, K] weight and the Triton kernel timed over them; with
+    ``scale`` the weight is the fp8 fold (e4m3, fp32 scale per row) and every launch passes it."""
 
-    def __init__(self, weight: torch.Tensor, role: str) -> None:
+    def __init__(self, weight: torch.Tensor, role: str, scale: torch.Tensor | None = None) -> None:
         self.n = weight.shape[0]
         self.role = role
         self.copies = [weight.clone() for _ in range(LAYER_COPIES)]
+        self.scales = [scale.clone() for _ in range(LAYER_COPIES)] if scale is not None else [None] * LAYER_COPIES
+        # What the kernels approximate, in fp32 (e4m3 * fp32 scale is exact in fp32).
+        self.reference = weight.float() if scale is None else weight.float() * scale[:, None]
 
-    def triton_calls(self, cfg: KernelConfig, x: torch.Tensor, y: torch.Tensor) -> list[Callable[[], None]]:
+    def triton_calls(
+        self, cfg: KernelConfig, x: torch.Tensor, y: torch.Tensor, rope: QueryRope | None = None
+    ) -> list[Callable[[], None]]:
         from foldckpt.runtime.kernels import triton_gemm
 
         triton_gemm.reserve_workspace(x.device, *triton_gemm.workspace_needs(x.shape[0], self.n, cfg))
-        return [lambda i=i: triton_gemm.launch_fold_gemm(x, self.copies[i], y, cfg) for i in _layers()]
+        return [
+            lambda i=i: triton_gemm.launch_fold_gemm(x, self.copies[i], y, cfg, rope, scale=self.scales[i])
+            for i in _layers()
+        ]
 
     def triton_error(self, cfg: KernelConfig, x: torch.Tensor) -> float:
         """Relative error of the kernel vs an fp32 F.linear, on a NaN-poisoned output."""
         y = torch.full((x.shape[0], self.n), float("nan"), device="cuda", dtype=torch.bfloat16)
         self.triton_calls(cfg, x, y)[0]()
-        return relative_error(y, F.linear(x.float(), self.copies[0].float()))
+        return relative_error(y, F.linear(x.float(), self.reference))
 
     def time_triton(self, cfg: KernelConfig, m: int) -> tuple[float, float]:
         """(µs per call, relative error) of the kernel at ``m`` tokens; inf for a wrong result."""
@@ -229,12 +254,15 @@ class GemmWeights:
     def skinny_calls(self, cfg: SkinnyConfig, x: torch.Tensor, y: torch.Tensor) -> list[Callable[[], None]]:
         from foldckpt.runtime.kernels import triton_gemm
 
-        return [lambda i=i: triton_gemm.launch_skinny_gemm(x, self.copies[i], y, cfg) for i in _layers()]
+        return [
+            lambda i=i: triton_gemm.launch_skinny_gemm(x, self.copies[i], y, cfg, scale=self.scales[i])
+            for i in _layers()
+        ]
 
     def skinny_error(self, cfg: SkinnyConfig, x: torch.Tensor) -> float:
         y = torch.full((x.shape[0], self.n), float("nan"), device="cuda", dtype=torch.bfloat16)
         self.skinny_calls(cfg, x, y)[0]()
-        return relative_error(y, F.linear(x.float(), self.copies[0].float()))
+        return relative_error(y, F.linear(x.float(), self.reference))
 
 
 def _layers() -> Iterator[int]:
@@ -393,7 +421,13 @@ def search(
     return best
 
 
-def search_skinny(bench: ShapeBench, role: str, failed: set, log: list[dict]) -> dict[int, tuple[SkinnyConfig, float]]:
+def search_skinny(
+    bench: ShapeBench,
+    role: str,
+    failed: set,
+    log: list[dict],
+    candidates: Callable[[int], Iterator[SkinnyConfig]] = skinny_candidates,
+) -> dict[int, tuple[SkinnyConfig, float]]:
     """Best (skinny config, µs) per token tile for one shape's fold or q_b_proj weight, timed at
     the tile's M over every candidate (about 140 in all), then the winner with and without PDL."""
     weights = bench.weights(role)
@@ -402,7 +436,7 @@ def search_skinny(bench: ShapeBench, role: str, failed: set, log: list[dict]) ->
         x = random_x(block_m)
         y = torch.empty((block_m, weights.n), device="cuda", dtype=torch.bfloat16)
         timed = 0
-        for cfg in (c for c in skinny_candidates(block_m) if c not in failed):
+        for cfg in (c for c in candidates(block_m) if c not in failed):
             err = weights.skinny_error(cfg, x)
             us = time_graph_us(weights.skinny_calls(cfg, x, y)) if err <= MAX_RELERR else float("inf")
             timed += 1
@@ -410,6 +444,10 @@ def search_skinny(bench: ShapeBench, role: str, failed: set, log: list[dict]) ->
                         "relerr": err})  # fmt: skip
             if us < best.get(block_m, (None, float("inf")))[1]:
                 best[block_m] = (cfg, us)
+        if block_m not in best:
+            # No candidate for this tile (the fp8 rules leave none at M=16) or none was right.
+            print(f"  skinny {role} N={weights.n} M<={block_m}: no candidate", flush=True)
+            continue
         cfg, us = best[block_m]
         if pdl_supported():
             choices = {"stream order": cfg, "pdl": replace(cfg, pdl=True)}
@@ -426,11 +464,15 @@ def search_skinny(bench: ShapeBench, role: str, failed: set, log: list[dict]) ->
     return best
 
 
-def choose_rope_epilogue(bench: ShapeBench, cfg: KernelConfig, m: int, log: list[dict]) -> KernelConfig:
+def choose_rope_epilogue(
+    bench: ShapeBench, cfg: KernelConfig, m: int, log: list[dict], weights: GemmWeights | None = None
+) -> KernelConfig:
     """``cfg`` with ``rope_epilogue`` set where doing the decode RoPE inside the GEMM beats the GEMM
-    followed by the standalone RoPE kernel, timed interleaved as ``fold_query`` runs them."""
+    followed by the standalone RoPE kernel, timed interleaved as ``fold_query`` runs them
+    (``weights``: the bench's bf16 fold, or another fold weight of its shape such as the fp8 one)."""
     from foldckpt.runtime.kernels import triton_gemm, triton_rope
 
+    weights = weights if weights is not None else bench.fold
     if not triton_gemm.rope_fits(bench.n, cfg):
         return cfg
     x, rope = random_x(m), decode_rope(m, bench.dims, torch.device("cuda"))
@@ -438,16 +480,16 @@ def choose_rope_epilogue(bench: ShapeBench, cfg: KernelConfig, m: int, log: list
     triton_gemm.reserve_workspace(x.device, *triton_gemm.workspace_needs(m, bench.n, cfg))
 
     def fused(i: int) -> None:
-        triton_gemm.launch_fold_gemm(x, bench.fold.copies[i], y, cfg, rope)
+        triton_gemm.launch_fold_gemm(x, weights.copies[i], y, cfg, rope, scale=weights.scales[i])
 
     def split(i: int) -> None:
-        triton_gemm.launch_fold_gemm(x, bench.fold.copies[i], y, cfg)
+        triton_gemm.launch_fold_gemm(x, weights.copies[i], y, cfg, scale=weights.scales[i])
         triton_rope.launch_rope_query(y, rope)
 
     choices = {"fused": fused, "split": split}
     times = time_graphs_us({name: [partial(fn, i) for i in _layers()] for name, fn in choices.items()})
     for name, us in times.items():
-        log.append({"role": "fold", "n": bench.n, "m": m, **asdict(cfg), "rope": name, "us": us})
+        log.append({"role": weights.role, "n": bench.n, "m": m, **asdict(cfg), "rope": name, "us": us})
     return replace(cfg, rope_epilogue=times["fused"] < times["split"])
 
 
@@ -629,16 +671,33 @@ def redecide(base_path: Path, json_path: Path, out: Path, tolerance: float) -> i
         for q in q_b_projs:
             if q.get("heads") == shape.get("heads"):
                 q["bucket"] = [{**b, "backend": qb_backends[b["m_max"]]} for b in q["bucket"]]
+    fp8_shapes = [dict(sh) for sh in base.get("fp8_shape", [])]
+    for shape in fp8_shapes:
+        rows = sorted((r for r in doc.get("fp8_grid", []) if r["n"] == shape["n"]), key=lambda r: r["m"])
+        if rows:
+            backends, _, crossover = decide(rows, tolerance)
+            print(f"fp8 N={shape['n']}: fold_max_tokens {shape['fold_max_tokens']} -> {crossover}; backends {backends}")
+            shape["fold_max_tokens"] = crossover
+            tiled = {b["m_max"]: b for b in shape["bucket"] if b["m_max"] in BUCKETS}
+            shape["bucket"] = table_buckets(backends, tiled, rows)
     meta["route_tolerance"] = tolerance
     meta["redecided"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     out.mkdir(parents=True, exist_ok=True)
-    (out / base_path.name).write_text(toml_text(meta, shapes, q_b_projs, base.get("skinny", [])), encoding="utf-8")
+    (out / base_path.name).write_text(
+        toml_text(meta, shapes, q_b_projs, base.get("skinny", []), fp8_shapes), encoding="utf-8"
+    )
     doc["meta"]["route_tolerance"] = tolerance
     (out / json_path.name).write_text(json.dumps(doc, indent=1), encoding="utf-8")
     return 0
 
 
-def toml_text(meta: dict, shapes: list[dict], q_b_projs: list[dict], skinny: list[dict] | None = None) -> str:
+def toml_text(
+    meta: dict,
+    shapes: list[dict],
+    q_b_projs: list[dict],
+    skinny: list[dict] | None = None,
+    fp8_shapes: list[dict] | None = None,
+) -> str:
     """The table in the layout ``tuning.parse_table`` reads (tomllib cannot write)."""
 
     def value(v: object) -> str:
@@ -657,6 +716,7 @@ def toml_text(meta: dict, shapes: list[dict], q_b_projs: list[dict], skinny: lis
     for section, entries, keys in (
         ("shape", shapes, ("n", "k", "fold_max_tokens", "heads")),
         ("q_b_proj", q_b_projs, ("n", "k", "heads")),
+        ("fp8_shape", fp8_shapes or [], ("n", "k", "fold_max_tokens", "heads")),
     ):
         for entry in entries:
             lines += ["", f"[[{section}]]"] + [f"{k} = {value(entry[k])}" for k in keys if k in entry]
@@ -682,8 +742,11 @@ def kept_from_base(base: dict | None, tuned: tuple[int, ...]) -> tuple[list[dict
     tuned_qbs = {h * (MlaDims(h).nope + MlaDims(h).rope) for h in tuned}
     shapes = [s for s in base.get("shape", []) if s["n"] not in tuned_folds and s.get("heads") not in tuned]
     q_b_projs = [s for s in base.get("q_b_proj", []) if s["n"] not in tuned_qbs and s.get("heads") not in tuned]
+    # The fp8 fold's tiles belong to [[fp8_shape]], which a bf16 run keeps whole.
     skinny = [
-        s for s in base.get("skinny", []) if s["n"] not in (tuned_folds if s["role"] == "fold" else tuned_qbs)
+        s
+        for s in base.get("skinny", [])
+        if s["role"] == "fold_fp8" or s["n"] not in (tuned_folds if s["role"] == "fold" else tuned_qbs)
     ]
     return shapes, q_b_projs, skinny
 
@@ -717,7 +780,15 @@ def main(argv: list[str] | None = None) -> int:
         "--redecide", action="store_true",
         help="no GPU: recompute the thresholds of --base from the grid in --base-json and write both to --out",
     )  # fmt: skip
+    parser.add_argument(
+        "--fp8", action="store_true",
+        help="tune the fp8 fold ([[fp8_shape]], tune_fp8.py) against --base's unfolded baseline; keep the rest of --base",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.fp8 and not args.redecide:
+        from foldckpt.runtime.kernels import tune_fp8
+
+        return tune_fp8.run(args)
     if not 0 < args.tolerance <= 1:
         parser.error("--tolerance must be in (0, 1]")
     if args.redecide:
@@ -835,10 +906,17 @@ def main(argv: list[str] | None = None) -> int:
     all_shapes = sorted(shapes + kept_shapes, key=lambda s: s["n"])
     all_qbs = sorted(q_b_projs + kept_qbs, key=lambda s: s["n"])
     all_skinny = sorted(skinny_entries + kept_skinny, key=lambda s: (s["role"], s["n"], s["m_max"]))
-    (args.out / f"{key}.toml").write_text(toml_text(meta, all_shapes, all_qbs, all_skinny), encoding="utf-8")
-    (args.out / f"tune_{key}.json").write_text(
-        json.dumps({"meta": meta, "search": log, "grid": rows}, indent=1), encoding="utf-8"
+    # The fp8 fold's entries ([[fp8_shape]], tune_fp8.py) are carried over as they are.
+    fp8_shapes = (base or {}).get("fp8_shape", [])
+    meta.update((k, v) for k, v in ((base or {}).get("meta") or {}).items() if k.startswith("fp8_"))
+    (args.out / f"{key}.toml").write_text(
+        toml_text(meta, all_shapes, all_qbs, all_skinny, fp8_shapes), encoding="utf-8"
     )
+    doc = {"meta": meta, "search": log, "grid": rows}
+    if args.base_json is not None:
+        old_doc = json.loads(args.base_json.read_text(encoding="utf-8"))
+        doc.update((k, v) for k, v in old_doc.items() if k.startswith("fp8_"))
+    (args.out / f"tune_{key}.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
     print(f"done in {time.monotonic() - start:.0f} s; {len(log)} configs timed", flush=True)
     return 0
 

@@ -27,6 +27,7 @@ measurements, never by hand-picked numbers. Layout::
     rows_per_program = 0        rows of W per program (<= block_n; 0 = block_n)
     pdl = true                  launch with programmatic dependent launch (sm_90+)
     rope_epilogue = true        fold_query does the decode RoPE inside this kernel
+    mma_f16 = true              optional (default false), fp8 weights only: the MMA runs in fp16
     triton_us = 7.417           the measurements behind the choice (informative)
     torch_us = 8.131
     [[q_b_proj]]                optional: the same kernel tuned for vLLM's q_b_proj GEMM of a
@@ -37,14 +38,22 @@ measurements, never by hand-picked numbers. Layout::
     ...                         its buckets' backend is "triton" or "torch".
     [[skinny]]                  optional: the skinny (GEMV-style, no MMA) kernel's best config per
     role = "q_b_proj"           token tile up to m_max <= 16 (it serves M in (previous m_max, m_max]),
-    n = 2304                    for a q_b_proj ("q_b_proj") or fold ("fold") weight: the unfolded
-    k = 1536                    baseline's stand-in for vLLM's own skinny q_b_proj kernels, and for
-    m_max = 1                   the fold what a backend = "skinny" bucket of [[shape]] launches.
-    rows = 4
+    n = 2304                    for a q_b_proj ("q_b_proj"), fold ("fold") or fp8 fold ("fold_fp8")
+    k = 1536                    weight: the unfolded baseline's stand-in for vLLM's own skinny
+    m_max = 1                   q_b_proj kernels, and for the fold what a backend = "skinny" bucket
+    rows = 4                    of [[shape]] (role "fold") or [[fp8_shape]] (role "fold_fp8") launches.
     block_k = 256
     num_warps = 4
     pdl = true
     us = 3.5
+    [[fp8_shape]]               optional: the fp8 fold (weight float8_e4m3fn [n, k] + an fp32 scale per
+    n = 6912                    row, ``foldckpt.fold.quantize_fp8_rows``) of one shape, laid out as
+    k = 1536                    [[shape]]: its own fold_max_tokens (the fp8 fold's crossover against the
+    fold_max_tokens = 256       same unfolded baseline) and [[fp8_shape.bucket]]s whose backend is the
+    [[fp8_shape.bucket]]        fp8 kernel that won there ("triton": the tiled kernel with this config,
+    ...                         "skinny": the [[skinny]] role="fold_fp8" configs, "torch": dequantize
+                                + cuBLAS). ``fold_route_max_tokens(..., weight_dtype=torch.float8_e4m3fn)``
+                                and ``kernel_config_for(..., weight_dtype=...)`` read these entries.
 """
 
 from __future__ import annotations
@@ -66,6 +75,8 @@ from foldckpt.runtime.kernels.device import gpu_key
 __all__ = [
     "CPU_FOLD_MAX_TOKENS",
     "ENV_FOLD_MAX_TOKENS",
+    "FP8_UNTUNED_CONFIGS",
+    "FP8_WEIGHT_DTYPE",
     "SKINNY_MAX_M",
     "TRITON_MAX_M",
     "UNKNOWN_GPU_FOLD_MAX_TOKENS",
@@ -76,6 +87,7 @@ __all__ = [
     "SkinnyConfig",
     "config_dir",
     "fold_route_max_tokens",
+    "is_fp8_weight",
     "kernel_config_for",
     "load_table",
     "parse_table",
@@ -95,11 +107,19 @@ TRITON_MAX_M = 256
 # Largest token tile of the skinny kernel (no MMA: its work grows with M, so it only pays at a few tokens).
 SKINNY_MAX_M = 16
 
+# The fp8 fold's weight dtype (OCP e4m3, "fn": no infinities, one NaN pattern): what
+# ``foldckpt.fold.quantize_fp8_rows`` writes and the fp8 kernels read.
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+
 _KERNEL_KEYS = (
     "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "use_tma", "rows_per_program", "pdl",
     "rope_epilogue",
 )  # fmt: skip
-_BOOL_KEYS = ("use_tma", "pdl", "rope_epilogue")
+_BOOL_KEYS = ("use_tma", "pdl", "rope_epilogue", "mma_f16")
+# Keys a bucket may leave out (tables written before they existed), with the value that means.
+_OPTIONAL_KERNEL_KEYS = {"mma_f16": False}
+# Roles of a [[skinny]] entry: the weight it was tuned for.
+_SKINNY_ROLES = ("q_b_proj", "fold", "fold_fp8")
 
 
 @dataclass(frozen=True)
@@ -122,6 +142,9 @@ class KernelConfig:
     # ``fold_query`` applies the decode RoPE in this kernel's epilogue instead of launching the
     # standalone RoPE kernel after it: the tuner times both per bucket.
     rope_epilogue: bool = False
+    # fp8 weights only: the MMA runs in fp16 (e4m3 -> fp16 is one exact cvt per two values; x is
+    # rounded to fp16 in the kernel) instead of x's dtype (e4m3 -> bf16 goes through fp16 and fp32).
+    mma_f16: bool = False
 
     def rows(self, n: int) -> int:
         """Rows of W per program for an ``n``-row weight."""
@@ -182,11 +205,23 @@ class GpuTable:
 
     gpu: str
     meta: Mapping[str, Any]
+    # (n, k) -> the fold GEMM with a weight of the activations' dtype (bf16 / fp16): [[shape]].
     shapes: Mapping[tuple[int, int], ShapeEntry]
     # (n, k) of a q_b_proj weight -> its tuned buckets (the unfolded baseline's Triton kernel).
     q_b_proj: Mapping[tuple[int, int], tuple[Bucket, ...]] = field(default_factory=dict)
     # (role, n, k) -> the skinny kernel's configs, ascending block_m (its m_max).
     skinny: Mapping[tuple[str, int, int], tuple[SkinnyConfig, ...]] = field(default_factory=dict)
+    # (n, k) -> the fp8 fold GEMM (e4m3 weight + fp32 scale per row): [[fp8_shape]].
+    fp8_shapes: Mapping[tuple[int, int], ShapeEntry] = field(default_factory=dict)
+
+    def entries(self, weight_dtype: torch.dtype | None = None) -> Mapping[tuple[int, int], ShapeEntry]:
+        """The fold shapes measured for weights of ``weight_dtype`` (fp8: [[fp8_shape]], else [[shape]])."""
+        return self.fp8_shapes if is_fp8_weight(weight_dtype) else self.shapes
+
+
+def is_fp8_weight(weight_dtype: torch.dtype | None) -> bool:
+    """Whether a fold weight of this dtype is the fp8 fold (and needs its per-row scale)."""
+    return weight_dtype == FP8_WEIGHT_DTYPE
 
 
 def config_dir() -> Path:
@@ -210,6 +245,8 @@ def _parse_bucket(raw: Mapping[str, Any], k: int, where: str, backends: tuple[st
     if backend not in backends:
         raise FoldckptError(f"{where}: backend {backend!r} is not one of {', '.join(map(repr, backends))}")
     values = {key: _require(raw, key, bool if key in _BOOL_KEYS else int, where) for key in _KERNEL_KEYS}
+    for key, default in _OPTIONAL_KERNEL_KEYS.items():
+        values[key] = _require(raw, key, bool, where) if key in raw else default
     config = KernelConfig(**values)
     if not config.fits(k):
         raise FoldckptError(f"{where}: k={k} is not a multiple of split_k*block_k of {config}")
@@ -245,18 +282,10 @@ def parse_table(data: Mapping[str, Any], source: str) -> GpuTable:
     """Validate a loaded TOML document; ``source`` names it in error messages."""
     meta = _require(data, "meta", dict, source)
     gpu = _require(meta, "gpu", str, f"{source} [meta]")
-    shapes: dict[tuple[int, int], ShapeEntry] = {}
-    shape_where: dict[tuple[int, int], str] = {}
-    for i, raw in enumerate(_require(data, "shape", list, source)):
-        where = f"{source} [[shape]] #{i}"
-        n = _require(raw, "n", int, where)
-        k = _require(raw, "k", int, where)
-        max_tokens = _require(raw, "fold_max_tokens", int, where)
-        buckets = _parse_buckets(raw, k, where, ("triton", "torch", "skinny"))
-        if (n, k) in shapes:
-            raise FoldckptError(f"{where}: shape n={n} k={k} appears twice")
-        shapes[(n, k)] = ShapeEntry(n=n, k=k, fold_max_tokens=max_tokens, buckets=buckets)
-        shape_where[(n, k)] = where
+    shapes, shape_where = _parse_shapes(
+        [(f"{source} [[shape]] #{i}", raw) for i, raw in enumerate(_require(data, "shape", list, source))]
+    )
+    fp8_shapes, fp8_where = _parse_shapes(_optional_tables(data, "fp8_shape", source))
     q_b_proj: dict[tuple[int, int], tuple[Bucket, ...]] = {}
     for where, raw in _optional_tables(data, "q_b_proj", source):
         n = _require(raw, "n", int, where)
@@ -267,8 +296,8 @@ def parse_table(data: Mapping[str, Any], source: str) -> GpuTable:
     skinny: dict[tuple[str, int, int], list[SkinnyConfig]] = {}
     for where, raw in _optional_tables(data, "skinny", source):
         role = _require(raw, "role", str, where)
-        if role not in ("q_b_proj", "fold"):
-            raise FoldckptError(f"{where}: role {role!r} is not 'q_b_proj' or 'fold'")
+        if role not in _SKINNY_ROLES:
+            raise FoldckptError(f"{where}: role {role!r} is not one of {', '.join(map(repr, _SKINNY_ROLES))}")
         k = _require(raw, "k", int, where)
         cfg = SkinnyConfig(
             block_m=_require(raw, "m_max", int, where),
@@ -286,16 +315,35 @@ def parse_table(data: Mapping[str, Any], source: str) -> GpuTable:
             raise FoldckptError(f"{where}: role={role} n={key[1]} k={k} m_max={cfg.block_m} appears twice")
         skinny.setdefault(key, []).append(cfg)
     skinny_sorted = {key: tuple(sorted(cfgs, key=lambda c: c.block_m)) for key, cfgs in skinny.items()}
-    for (n, k), entry in shapes.items():
-        # A skinny bucket launches the [[skinny]] fold config of each of its M: one must cover them all.
-        covered = max((c.block_m for c in skinny_sorted.get(("fold", n, k), ())), default=0)
-        for j, bucket in enumerate(entry.buckets):
-            if bucket.backend == "skinny" and bucket.m_max > covered:
-                raise FoldckptError(
-                    f"{shape_where[(n, k)]} bucket #{j}: backend 'skinny' up to m_max={bucket.m_max}, but the "
-                    f"[[skinny]] role='fold' configs for n={n} k={k} cover M <= {covered} only"
-                )
-    return GpuTable(gpu=gpu, meta=meta, shapes=shapes, q_b_proj=q_b_proj, skinny=skinny_sorted)
+    for role, entries, wheres in (("fold", shapes, shape_where), ("fold_fp8", fp8_shapes, fp8_where)):
+        for (n, k), entry in entries.items():
+            # A skinny bucket launches the [[skinny]] config of its role for each of its M: one must cover them all.
+            covered = max((c.block_m for c in skinny_sorted.get((role, n, k), ())), default=0)
+            for j, bucket in enumerate(entry.buckets):
+                if bucket.backend == "skinny" and bucket.m_max > covered:
+                    raise FoldckptError(
+                        f"{wheres[(n, k)]} bucket #{j}: backend 'skinny' up to m_max={bucket.m_max}, but the "
+                        f"[[skinny]] role='{role}' configs for n={n} k={k} cover M <= {covered} only"
+                    )
+    return GpuTable(gpu=gpu, meta=meta, shapes=shapes, q_b_proj=q_b_proj, skinny=skinny_sorted, fp8_shapes=fp8_shapes)
+
+
+def _parse_shapes(
+    raws: list[tuple[str, Any]],
+) -> tuple[dict[tuple[int, int], ShapeEntry], dict[tuple[int, int], str]]:
+    """[[shape]] or [[fp8_shape]] entries (each with its name for errors): (n, k) -> entry, and -> name."""
+    shapes: dict[tuple[int, int], ShapeEntry] = {}
+    wheres: dict[tuple[int, int], str] = {}
+    for where, raw in raws:
+        n = _require(raw, "n", int, where)
+        k = _require(raw, "k", int, where)
+        max_tokens = _require(raw, "fold_max_tokens", int, where)
+        buckets = _parse_buckets(raw, k, where, ("triton", "torch", "skinny"))
+        if (n, k) in shapes:
+            raise FoldckptError(f"{where}: shape n={n} k={k} appears twice")
+        shapes[(n, k)] = ShapeEntry(n=n, k=k, fold_max_tokens=max_tokens, buckets=buckets)
+        wheres[(n, k)] = where
+    return shapes, wheres
 
 
 @functools.cache
@@ -314,9 +362,26 @@ def load_table(gpu: str) -> GpuTable | None:
     return table
 
 
-def kernel_config_for(gpu: str, n: int, k: int, m: int) -> KernelConfig | SkinnyConfig | None:
+# The fp8 fold on a GPU or shape without a measured [[fp8_shape]]: (m_max, tiled config) buckets.
+# Unlike the bf16 fold, whose untuned fallback (cuBLAS) streams the same bytes, the fp8 fold's torch
+# path must dequantize the whole weight on every call (3x its bytes and a second launch), so the
+# tiled kernel with a generic config always serves instead: no PDL and no TMA (NVIDIA sm_90+ only),
+# shared memory under 100 KB (fits every GPU Triton targets), the fp16 MMA (``mma_f16``); the tiles
+# are the H200 search's winners of those buckets at Kimi-K3 TP8 (docs/bench/tune_nvidia_h200.json).
+FP8_UNTUNED_CONFIGS: tuple[tuple[int, KernelConfig], ...] = (
+    (16, KernelConfig(16, 32, 256, 1, 4, 5, mma_f16=True)),
+    (64, KernelConfig(32, 64, 256, 1, 4, 3, mma_f16=True)),
+    (TRITON_MAX_M, KernelConfig(64, 128, 128, 1, 8, 3, mma_f16=True)),
+)
+
+
+def kernel_config_for(
+    gpu: str, n: int, k: int, m: int, weight_dtype: torch.dtype | None = None
+) -> KernelConfig | SkinnyConfig | None:
     """The fold GEMM kernel the table picks for an ``m`` x ``n`` x ``k`` fold GEMM on GPU kind
     ``gpu``: the bucket holding ``m`` says which, and this returns its launch parameters.
+    ``weight_dtype`` ``torch.float8_e4m3fn`` reads the fp8 fold's [[fp8_shape]] entries (and its
+    [[skinny]] role="fold_fp8" configs); any other dtype, or None, the [[shape]] entries.
 
     - backend "triton": that bucket's ``KernelConfig`` (the tiled kernel, ``launch_fold_gemm``);
     - backend "skinny": the [[skinny]] role="fold" ``SkinnyConfig`` for ``m`` (``launch_skinny_gemm``;
@@ -326,19 +391,20 @@ def kernel_config_for(gpu: str, n: int, k: int, m: int) -> KernelConfig | Skinny
 
     Only an exactly measured (n, k) runs Triton: a config tuned for another shape may lose to
     cuBLAS, and the table exists to never lose. The choice of backend is the tuner's alone
-    (``tune.decide``); this only reads it. [[q_b_proj]] entries are never returned.
+    (``tune.decide``); this only reads it. [[q_b_proj]] entries are never returned. The one
+    exception is the fp8 fold at an (n, k) or on a GPU the table has not measured: there the
+    bucket of ``FP8_UNTUNED_CONFIGS`` holding ``m`` (M <= TRITON_MAX_M), see there why.
     """
+    fp8 = is_fp8_weight(weight_dtype)
     table = load_table(gpu)
-    if table is None:
-        return None
-    entry = table.shapes.get((n, k))
+    entry = table.entries(weight_dtype).get((n, k)) if table is not None else None
     if entry is None:
-        return None
+        return next((cfg for m_max, cfg in FP8_UNTUNED_CONFIGS if m <= m_max), None) if fp8 else None
     bucket = entry.bucket_for(m)
     if bucket is None or bucket.backend == "torch":
         return None
     if bucket.backend == "skinny":
-        return skinny_config(table, "fold", n, k, m)
+        return skinny_config(table, "fold_fp8" if fp8 else "fold", n, k, m)
     return bucket.config
 
 
@@ -370,17 +436,22 @@ def _env_override() -> int | None:
     return value
 
 
-def _crossover(table: GpuTable, n: int, k: int) -> int | None:
+def _crossover(table: GpuTable, n: int, k: int, weight_dtype: torch.dtype | None = None) -> int | None:
     """Measured crossover for (n, k), or the smaller of the two measured neighbours in log(n).
 
     The crossover is where the fold's extra bytes stop paying for the launch it saves; both
     scale with n, so neighbours are close, and taking the smaller one never routes a batch to
-    a fold that was measured to lose at either neighbour.
+    a fold that was measured to lose at either neighbour. The fp8 fold reads its own entries;
+    where the table has no fp8 entry of this k it takes the bf16 fold's (it streams half the
+    bytes of that fold to the same unfolded baseline, so where the bf16 fold won, it does).
     """
-    entry = table.shapes.get((n, k))
+    entries = table.entries(weight_dtype)
+    if is_fp8_weight(weight_dtype) and not any(e.k == k for e in entries.values()):
+        entries = table.shapes
+    entry = entries.get((n, k))
     if entry is not None:
         return entry.fold_max_tokens
-    same_k = sorted((e.n, e.fold_max_tokens) for e in table.shapes.values() if e.k == k)
+    same_k = sorted((e.n, e.fold_max_tokens) for e in entries.values() if e.k == k)
     if not same_k:
         return None
     below = [t for measured_n, t in same_k if measured_n < n]
@@ -391,15 +462,19 @@ def _crossover(table: GpuTable, n: int, k: int) -> int | None:
     return nearest[1]
 
 
-def fold_route_max_tokens(n: int, k: int, device: torch.device) -> int:
+def fold_route_max_tokens(n: int, k: int, device: torch.device, weight_dtype: torch.dtype | None = None) -> int:
     """Largest decode batch (tokens) that should take the fold GEMM instead of q_b_proj + W_UK.
 
     ``n`` and ``k`` are the fold GEMM's weight shape on this rank (``W_fold.shape``: heads per
-    rank times (kv_lora_rank + qk_rope_head_dim), and q_lora_rank). Order of precedence:
-    the environment variable ``FOLDCKPT_FOLD_MAX_TOKENS`` (an int; 0 disables the fold at
-    decode), then on CPU ``CPU_FOLD_MAX_TOKENS``, then the GPU's tuning table (the measured
-    crossover of that shape, or of the nearest measured shapes with the same k), then
-    ``UNKNOWN_GPU_FOLD_MAX_TOKENS``. Host-side only: safe to call at any time.
+    rank times (kv_lora_rank + qk_rope_head_dim), and q_lora_rank); ``weight_dtype`` is the
+    fold weight's dtype (``W_fold.dtype``): ``torch.float8_e4m3fn`` gives the fp8 fold's own
+    threshold ([[fp8_shape]]), anything else (or None) the bf16/fp16 fold's ([[shape]]).
+    Order of precedence: the environment variable ``FOLDCKPT_FOLD_MAX_TOKENS`` (an int; 0
+    disables the fold at decode; it applies to both dtypes), then on CPU ``CPU_FOLD_MAX_TOKENS``,
+    then the GPU's tuning table (the measured crossover of that shape and weight dtype, or of
+    the nearest measured shapes with the same k; an fp8 fold on a table without fp8 entries of
+    that k takes the bf16 fold's), then ``UNKNOWN_GPU_FOLD_MAX_TOKENS``. Host-side only: safe
+    to call at any time.
     """
     override = _env_override()
     if override is not None:
@@ -409,5 +484,5 @@ def fold_route_max_tokens(n: int, k: int, device: torch.device) -> int:
     table = load_table(gpu_key(device))
     if table is None:
         return UNKNOWN_GPU_FOLD_MAX_TOKENS
-    crossover = _crossover(table, n, k)
+    crossover = _crossover(table, n, k, weight_dtype)
     return UNKNOWN_GPU_FOLD_MAX_TOKENS if crossover is None else crossover
