@@ -123,7 +123,7 @@ class FoldedKimiK3MLA(MultiHeadLatentAttention):
 
         # vLLM's CPU post-processing repacks the weight and removes ``.weight``: the layer runs it.
         x = q_c[:decode]
-        y = fold.q_fold(x)[0] if x.device.type == "cpu" else fold_gemm(x, fold.q_fold.weight)
+        y = fold.q_fold(x)[0] if x.device.type == "cpu" else fold_gemm(x, fold.q_fold.weight, scale=fold.weight_scale)
         y = y.view(decode, self.num_local_heads, self.head_size)
         mqa_q = self._decode_concat_cache(y[..., : self.kv_lora_rank], y[..., self.kv_lora_rank :],
                                           kv_c_normed[:decode], k_pe[:decode], None, None, slot_mapping[:decode])  # fmt: skip

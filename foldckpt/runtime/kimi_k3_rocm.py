@@ -141,7 +141,7 @@ class FoldedKimiK3Wrapper(FoldedMLAMixin, KimiK3MultiHeadLatentAttentionWrapper)
         assert self.q_fold is not None
         attn = self.mla_attn
         head_size = self.kv_lora_rank + self.qk_rope_head_dim
-        y = fold_gemm(q_c, self.q_fold.weight).view(q_c.shape[0], self.num_heads, head_size)
+        y = fold_gemm(q_c, self.q_fold.weight, scale=self.fold.weight_scale).view(q_c.shape[0], self.num_heads, head_size)
         ql_nope, q_pe = y[..., : self.kv_lora_rank], y[..., self.kv_lora_rank :]
         if not self._strided_q_nope:
             ql_nope = ql_nope.contiguous()

@@ -24,10 +24,11 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.linear import ColumnParallelLinear
 
+from foldckpt.defaults import SCALED_FOLD_DTYPES
 from foldckpt.errors import FoldckptError
 from foldckpt.geometry import Geometry, MLALayer
 from foldckpt.runtime import stats
-from foldckpt.runtime.kernels import fold_route_max_tokens
+from foldckpt.runtime.kernels import fold_route_max_tokens, fp8_fold_runs_as_fp8
 from foldckpt.runtime.loader import FoldSet, cached_fold_set, is_converted
 from foldckpt.runtime.weights import FoldBuild, SidecarFoldMethod
 
@@ -63,6 +64,12 @@ class LayerFold:
         # Only the first MLA layer counts routed tokens: every layer sees the same batch.
         self.counts_steps = counts_steps
         self.loaded = False
+
+    @property
+    def weight_scale(self) -> torch.Tensor | None:
+        """An fp8 fold's per-row scale where the fold is served as e4m3 (``fold_gemm(..., scale=)``);
+        None where it is held in the compute dtype (bf16 folds, and fp8 ones dequantized at load)."""
+        return getattr(self.q_fold, "weight_scale", None)
 
     def takes(self, decode_tokens: int) -> bool:
         """Whether a batch with ``decode_tokens`` decode rows sends them to the fold (the pre-route)."""
@@ -129,7 +136,9 @@ def attach_fold(
         )
     build = _current_build(fold_set)
     shape = (local_heads * g.fold_head_dim, g.q_lora_rank)
-    max_tokens = fold_route_max_tokens(*shape, torch.get_default_device())
+    device = torch.get_default_device()
+    fp8 = fold_set.manifest.fold_dtype in SCALED_FOLD_DTYPES and fp8_fold_runs_as_fp8(device)
+    max_tokens = fold_route_max_tokens(*shape, device, torch.float8_e4m3fn if fp8 else None)
     if max_tokens == 0:
         build.layer_unfolded(shape)
         return None

@@ -119,7 +119,8 @@ class FoldedMLAMixin:
         weight = getattr(self.q_fold, "weight", None)
         if cache is not None and weight is not None and weight.is_cuda:
             assert self.fold is not None
-            warmup_fold_query(weight, self.fold.max_tokens, cache, self.kv_lora_rank + self.qk_rope_head_dim)
+            warmup_fold_query(weight, self.fold.max_tokens, cache, self.kv_lora_rank + self.qk_rope_head_dim,
+                              scale=self.fold.weight_scale, x_dtype=self.q_fold.params_dtype)  # fmt: skip
         if self.rotary_emb is None:
             return "NoPE: no RoPE"
         return "q/k RoPE by fold_query" if cache is not None else "q/k RoPE by vLLM's rotary module"
@@ -220,10 +221,10 @@ class FoldedMLAMixin:
                 y = self.q_fold(q_c)[0]
                 rope_query(y, rope)
             else:
-                y = fold_query(q_c, self.q_fold.weight, rope)
+                y = fold_query(q_c, self.q_fold.weight, rope, scale=self.fold.weight_scale)
             y = y.view(q_c.shape[0], self.num_heads, head_dim)
         else:
-            y = self.q_fold(q_c)[0] if on_cpu else fold_gemm(q_c, self.q_fold.weight)
+            y = self.q_fold(q_c)[0] if on_cpu else fold_gemm(q_c, self.q_fold.weight, scale=self.fold.weight_scale)
             y = y.view(q_c.shape[0], self.num_heads, head_dim)
             k_out.copy_(k_pe)
             self._rope(positions, y[..., self.kv_lora_rank :], k_out)

