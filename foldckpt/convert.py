@@ -427,7 +427,7 @@ def _source_reads(
     """The hashing passes of this run: every placed file not hashed yet, those feeding the first
     layers to fold first (then the largest), so that the fold waits as little as possible."""
     inputs = {(file, info.name): info for layer in plan.layers for file, info in layer.input_tensors()}
-    wanted = {(file, info.name) for layer in todo for file, info in layer.input_tensors()}
+    wanted = {(file, info.name): position for position, layer in enumerate(todo) for file, info in layer.input_tensors()}
     recorded = {
         (source["file"], source["name"]): source["sha256"]
         for progress in journal.shards.values()
@@ -459,18 +459,20 @@ def _hash_and_fold(
     runs on the cores torch has (or a GPU), the previous layer's write and fsync run in a thread of
     their own. Returns the folds (tensor names) made in this run."""
     todo = _fold_order(plan, journal)
-    cores = options.workers or os.cpu_count() or 1
+    cores = os.cpu_count() or 1
+    hashers = options.workers or default_workers()
     source_bytes = sum((out_dir / n).stat().st_size for n in journal.placed if n not in journal.source_hashes)
     folded: list[str] = []
     with (
         progress_bar(len(plan.layers), "folding", "layer", options.progress, position=1) as fold_bar,
         progress_bar(source_bytes, "hashing sources", "B", options.progress, position=0) as hash_bar,  # closes first
-        worker_pool(options.workers or default_workers()) as hash_pool,
+        worker_pool(max(1, hashers // 2)) as feeding_pool,
+        worker_pool(max(1, hashers - hashers // 2)) as other_pool,
         worker_pool(cores) as leaf_pool,
         worker_pool(1) as write_pool,
     ):
         reads = _source_reads(plan, out_dir, journal, todo, counters, hash_bar)
-        reads.start(hash_pool)
+        reads.start(feeding_pool, other_pool)
         try:
             for shard in plan.shards:
                 if journal.shard(shard.name).done and (out_dir / shard.name).exists():

@@ -7,11 +7,13 @@ files: the pass that hashes a file copies them out as it goes by, and digests ea
 manifest's per-tensor provenance) from the same bytes, so no source byte is read twice and the
 fold of a layer starts as soon as the pass has gone past its inputs, long before the file's end.
 
-Copies are bounded by a byte budget: a pass never waits for the fold (so no layout of tensors over
-files can deadlock the two); where a copy would exceed the budget it is not made, and the fold
-reads that tensor itself (:attr:`SourceReads.reread_bytes` counts it). Files are taken in the order
-of the first layer they feed, so with one file per few layers (how real checkpoints are sharded)
-everything is copied.
+Memory stays a few layers' inputs whatever the layout: a pass over a file that feeds the fold
+starts only once the fold is within ``LOOKAHEAD_LAYERS`` of the first layer it feeds (it waits
+before it has copied anything, and files are started in the order of the layers they feed, so the
+file the fold needs next is never queued behind a waiting one); files that feed no layer are
+hashed by threads of their own meanwhile. Copies are also bounded by a byte budget, and a pass
+never waits for the fold once it has started: where a copy would exceed the budget it is not made,
+and the fold reads that tensor itself (``IOCounters.reread`` counts it).
 
 On a resumed run, the folds journaled by the earlier run record the sha256 of each input they were
 made from; the pass checks those digests too, so a source that changed between the two runs is
@@ -20,7 +22,9 @@ refused, naming the file and the tensor.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,8 +39,10 @@ from foldckpt.hashing import HashJob, RangeCheck, hash_job
 from foldckpt.manifest import FileRecord
 from foldckpt.safetensors_format import TensorInfo, read_tensor_bytes
 
-# Copied fold inputs waiting for the fold: a few Kimi-K3 layers (82 MB of bf16 inputs each).
-DEFAULT_CAPTURE_BUDGET = 384 * 1024 * 1024
+# Niceness of the hashing threads (see _yield_to_the_fold); a thread cannot raise it back.
+_HASHING_NICENESS = 10
+# How many layers ahead of the fold a pass over a file that feeds it may start.
+LOOKAHEAD_LAYERS = 1
 
 
 class _Abandoned(Exception):
@@ -97,9 +103,11 @@ class SourceReads:
 
     ``files``: name -> size of the source files to hash in this run, in the order to start them;
     ``inputs``: (file, tensor) -> header info of every fold input in those files; ``wanted``: the
-    inputs still to be folded in this run (copied when the budget allows); ``recorded``: (file,
-    tensor) -> sha256 an earlier run's fold recorded (checked). ``on_hashed(name, record)`` runs in
-    the pass's thread when a file's digest is known.
+    inputs still to be folded in this run -> the position (in fold order) of the layer that takes
+    them (copied when the budget allows; default budget: ``LOOKAHEAD_LAYERS + 2`` layers' inputs, room for
+    the layer being folded, the ones ahead and a file that interleaves layers);
+    ``recorded``: (file, tensor) -> sha256 an earlier run's fold recorded (checked).
+    ``on_hashed(name, record)`` runs in the pass's thread when a file's digest is known.
     """
 
     def __init__(
@@ -107,12 +115,12 @@ class SourceReads:
         out_dir: Path,
         files: dict[str, int],
         inputs: dict[tuple[str, str], TensorInfo],
-        wanted: set[tuple[str, str]],
+        wanted: dict[tuple[str, str], int],
         recorded: dict[tuple[str, str], str],
         on_hashed: Callable[[str, FileRecord], None],
         progress: Callable[[int], object],
         counters: IOCounters,
-        budget: int = DEFAULT_CAPTURE_BUDGET,
+        budget: int | None = None,
     ) -> None:
         self.out_dir = out_dir
         self.files = files
@@ -122,20 +130,32 @@ class SourceReads:
         self.on_hashed = on_hashed
         self.progress = progress
         self.counters = counters
-        self.budget = budget
+        per_layer: dict[int, int] = {}
+        self.first_use: dict[str, int] = {}
+        for (file, name), position in wanted.items():
+            per_layer[position] = per_layer.get(position, 0) + inputs[(file, name)].nbytes
+            if file in files:
+                self.first_use[file] = min(position, self.first_use.get(file, position))
+        self.budget = (LOOKAHEAD_LAYERS + 2) * max(per_layer.values(), default=0) if budget is None else budget
         self._held = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._position = 0  # the layer the fold is at (fold order)
+        self._moved = threading.Condition()
         self._slots = {key: _Slot() for key in inputs if key[0] in files and key in wanted}
         self._futures: list[Future[None]] = []
 
-    def start(self, pool: Executor) -> None:
+    def start(self, feeding: Executor, others: Executor) -> None:
+        """Start every pass: files that feed the fold in ``feeding``, the others in ``others``."""
         for name in self.files:
+            pool = feeding if name in self.first_use else others
             self._futures.append(pool.submit(self._pass, name))
 
     def stop(self) -> None:
         """Abandon the passes still running (their files stay unhashed in the journal)."""
         self._stop.set()
+        with self._moved:
+            self._moved.notify_all()
 
     def wait(self) -> None:
         """Wait for every pass; re-raise the first failure (in start order)."""
@@ -148,6 +168,11 @@ class SourceReads:
         """The bytes of one fold input and their sha256: handed over by the pass over ``file`` (once
         it went past them), or read here when that pass did not copy them or ``file`` is not hashed
         in this run."""
+        position = self.wanted.get((file, info.name))
+        if position is not None and position > self._position:
+            with self._moved:
+                self._position = position
+                self._moved.notify_all()
         slot = self._slots.get((file, info.name))
         if slot is not None:
             with self.counters.timed("fold_waiting_for_inputs"):
@@ -166,6 +191,13 @@ class SourceReads:
     # -- the passes ------------------------------------------------------------------------------
 
     def _pass(self, name: str) -> None:
+        _yield_to_the_fold()
+        due = self.first_use.get(name)
+        if due is not None:
+            with self._moved:
+                self._moved.wait_for(lambda: self._stop.is_set() or self._position >= due - LOOKAHEAD_LAYERS)
+        if self._stop.is_set():
+            return
         size = self.files[name]
         job = HashJob(name, size, True)
         in_file = {(info.start, info.end): key for key, info in self.inputs.items() if key[0] == name}
@@ -199,6 +231,15 @@ class SourceReads:
                         "results: restore the file, or pass --restart to start over", check.tensor,
                     )  # fmt: skip
         self.on_hashed(name, FileRecord(size, str(whole)))
+
+
+def _yield_to_the_fold() -> None:
+    """Lower this hashing thread's scheduling priority (Linux: per thread): the fold is the
+    critical path of the pipeline, and hashing has slack until its end, so on a machine with few
+    cores hashing should take the cycles the fold leaves, not slow every layer down."""
+    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _HASHING_NICENESS)
 
 
 class _Capture:

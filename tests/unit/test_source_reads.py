@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from foldckpt.errors import FoldckptError
 from foldckpt.manifest import FileRecord
 from foldckpt.plan import ConversionPlan, plan_conversion
 from foldckpt.safetensors_format import TensorInfo, read_tensor_bytes
-from foldckpt.source_reads import IOCounters, SourceReads
+from foldckpt.source_reads import LOOKAHEAD_LAYERS, IOCounters, SourceReads
 from foldckpt.synthetic import make_checkpoint
 
 
@@ -40,7 +41,8 @@ def _reads(plan: ConversionPlan, budget: int, recorded: dict[tuple[str, str], st
     hashed: dict[str, FileRecord] = {}
     counters = IOCounters()
     inputs = _inputs(plan)
-    reads = SourceReads(model, files, inputs, set(inputs), recorded or {}, hashed.__setitem__, lambda n: None, counters, budget)
+    wanted = {(file, info.name): position for position, layer in enumerate(plan.layers) for file, info in layer.input_tensors()}
+    reads = SourceReads(model, files, inputs, wanted, recorded or {}, hashed.__setitem__, lambda n: None, counters, budget)
     return reads, hashed, counters
 
 
@@ -49,7 +51,7 @@ def test_every_input_is_handed_over_with_its_digest_and_every_file_hashed_once(p
     reads, hashed, counters = _reads(plan, budget)
     model = plan.source.model_dir
     with ThreadPoolExecutor(4) as pool:
-        reads.start(pool)
+        reads.start(pool, pool)
         for (file, _), info in _inputs(plan).items():
             data, digest = reads.take(file, info)
             assert bytes(data) == bytes(read_tensor_bytes(model / file, info))
@@ -62,23 +64,56 @@ def test_every_input_is_handed_over_with_its_digest_and_every_file_hashed_once(p
     assert reads._held == 0  # every copy handed over and released
 
 
-def test_a_budget_smaller_than_a_tensor_copies_nothing_and_never_blocks_a_pass(plan: ConversionPlan) -> None:
-    """Passes run to the end with nobody taking anything: none may wait for the fold."""
+def test_a_budget_smaller_than_a_tensor_copies_nothing_and_never_blocks_a_started_pass(plan: ConversionPlan) -> None:
+    """Nobody takes anything: every pass allowed to start must still run to its end."""
     smallest = min(info.nbytes for info in _inputs(plan).values())
     reads, hashed, _ = _reads(plan, smallest - 1)
+    assert max(reads.first_use.values()) <= LOOKAHEAD_LAYERS  # all may start at once
     with ThreadPoolExecutor(2) as pool:
-        reads.start(pool)
+        reads.start(pool, pool)
         done = threading.Event()
         threading.Thread(target=lambda: (reads.wait(), done.set()), daemon=True).start()
         assert done.wait(30), "a pass waited for the fold"
     assert len(hashed) == len(reads.files) and reads._held == 0
 
 
+@pytest.fixture(scope="module")
+def long_plan(tmp_path_factory: pytest.TempPathFactory) -> ConversionPlan:
+    """8 MLA layers, one shard each: files that feed layers far ahead of the fold."""
+    model = make_checkpoint(tmp_path_factory.mktemp("reads") / "long", "kimi_k3", layers=28, mtp_layers=1, shards=8)
+    return plan_conversion(model)
+
+
+def test_a_pass_starts_only_within_the_lookahead_of_the_fold_and_stop_releases_the_rest(long_plan: ConversionPlan) -> None:
+    reads, hashed, _ = _reads(long_plan, 1 << 30)
+    far = {name for name, due in reads.first_use.items() if due > LOOKAHEAD_LAYERS}
+    assert far, "the layout must hold files that feed layers beyond the lookahead"
+    with ThreadPoolExecutor(len(reads.files)) as pool:
+        reads.start(pool, pool)
+        deadline = time.monotonic() + 30
+        while len(hashed) < len(reads.files) - len(far) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert set(hashed) == set(reads.files) - far  # the fold is at layer 0: the far files wait
+        for (file, _), info in sorted(_inputs(long_plan).items(), key=lambda item: reads.wanted[item[0]]):
+            reads.take(file, info)  # the fold moves on: each file is hashed in time, none copied past budget
+        reads.wait()
+    assert set(hashed) == set(reads.files) and reads.counters.reread == 0
+
+    reads, hashed, _ = _reads(long_plan, 1 << 30)
+    with ThreadPoolExecutor(len(reads.files)) as pool:
+        reads.start(pool, pool)
+        time.sleep(0.2)
+        reads.stop()
+        reads.wait()  # returns: the waiting passes give up without hashing
+    assert not set(hashed) & far
+
+
 def test_an_input_changed_since_an_earlier_run_folded_it_is_refused_naming_file_and_tensor(plan: ConversionPlan) -> None:
     (file, name), info = next(iter(_inputs(plan).items()))
     reads, hashed, _ = _reads(plan, 1 << 30, recorded={(file, name): "0" * 64})
     with ThreadPoolExecutor(2) as pool:
-        reads.start(pool)
+        reads.start(pool, pool)
         with pytest.raises(FoldckptError, match="changed since an earlier run of this conversion folded it") as caught:
             reads.wait()
     assert caught.value.path == str(plan.source.model_dir / file) and caught.value.tensor == name
@@ -90,7 +125,7 @@ def test_a_failed_pass_wakes_the_fold_with_the_error(plan: ConversionPlan, tmp_p
     reads, _, _ = _reads(plan, 1 << 30, files={file: 1})
     reads.out_dir = tmp_path  # the file is not there: the pass fails before the tensor
     with ThreadPoolExecutor(1) as pool:
-        reads.start(pool)
+        reads.start(pool, pool)
         with pytest.raises(FoldckptError, match="hashing"):
             reads.take(file, info)
         with pytest.raises(FoldckptError):
