@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+
+# OpenMP threads that spin after every parallel region take the cycles the hashing threads need:
+# on a 16-core H200 host a 16-layer conversion burned 91 core-s and took 14.6 s with spinning
+# (the default), 24 core-s and 11.1 s without (docs/bench/convert.json). Only effective before
+# torch is first imported (as in the CLI); an explicit setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import shutil
 import time
 from collections.abc import Iterable
