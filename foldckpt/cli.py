@@ -184,7 +184,8 @@ def _print_convert(result: ConvertResult) -> None:
 @click.option("--revision", default=None, metavar="REV",
               help="With a Hugging Face model id: the branch, tag or commit in the local cache (default main).")  # fmt: skip
 @click.option("--fold-dtype", type=click.Choice(list(FOLD_DTYPE_NAMES)), default=DEFAULT_FOLD_DTYPE, show_default=True,
-              help="Dtype of the stored fold (accumulation is always fp32, rounded once).")  # fmt: skip
+              help="Dtype of the stored fold (accumulation is always fp32, rounded once); fp8: OCP e4m3 "
+                   "with an fp32 scale per row, half the bytes of bfloat16.")  # fmt: skip
 @click.option("--max-shard-size", type=ByteSize(), default=DEFAULT_MAX_SHARD_SIZE, show_default="5GiB",
               help="Cap on each sidecar shard's size.")  # fmt: skip
 @click.option("--tp", "tp_sizes", multiple=True, callback=_parse_tp, metavar="N[,N...]",
