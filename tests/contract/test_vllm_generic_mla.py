@@ -571,6 +571,10 @@ def test_column_parallel_linear_as_the_fold_builds_it(vllm_tree: SourceTree) -> 
     )
     tree.require_method(LINEAR, "ColumnParallelLinear", "forward", calls=["self.quant_method.apply"], why=why)
     tree.require_attributes(LINEAR, "ColumnParallelLinear", ["quant_method"], why=why)
+    # An fp8 fold served as e4m3 replaces q_fold.weight; the activations' dtype comes from params_dtype.
+    tree.require_attributes(
+        LINEAR, "ColumnParallelLinear", ["params_dtype"], why="mla_fold warms the fp8 fold GEMM for q_fold.params_dtype"
+    )
 
 
 def test_unquantized_linear_method_as_the_sidecar_method_extends_it(vllm_tree: SourceTree) -> None:
