@@ -68,7 +68,7 @@ from foldckpt.sidecar import ShardWriter
 from foldckpt.source_reads import IOCounters, SourceReads
 
 if TYPE_CHECKING:
-    from foldckpt.layer import Fetch
+    from foldckpt.layer import Fetch, FoldBuffers
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "ConvertOptions", "ConvertResult", "LayerOutcome", "convert"]
 
@@ -479,12 +479,18 @@ def _hash_and_fold(
     ):
         reads = _source_reads(plan, out_dir, journal, todo, counters, hash_bar)
         reads.start(feeding_pool, other_pool)
+        from foldckpt.layer import FoldBuffers  # torch: only once there is something to fold
+
+        buffers = FoldBuffers()
         try:
             for shard in plan.shards:
                 if journal.shard(shard.name).done and (out_dir / shard.name).exists():
                     fold_bar.update(len(shard.layers))
                     continue
-                folded += _write_shard(plan, shard, out_dir, journal, options, (reads.take, device), counters, leaf_pool, write_pool, fold_bar)
+                folded += _write_shard(
+                    plan, shard, out_dir, journal, options, (reads.take, device, buffers), counters, leaf_pool, write_pool,
+                    fold_bar,
+                )  # fmt: skip
             reads.wait()
         except BaseException:
             reads.stop()
@@ -498,7 +504,7 @@ def _write_shard(
     out_dir: Path,
     journal: Journal,
     options: ConvertOptions,
-    source: tuple[Fetch, str],
+    source: tuple[Fetch, str, FoldBuffers],
     counters: IOCounters,
     leaf_pool: Executor,
     write_pool: Executor,
@@ -508,7 +514,7 @@ def _write_shard(
     i + 1 is folded while layer i is written and fsynced; each is journaled once durable."""
     from foldckpt.layer import fold_from_source  # torch: only once there is something to fold
 
-    fetch, device = source
+    fetch, device, buffers = source
     progress = journal.shard(shard.name)
     writer = ShardWriter(out_dir / shard.name, shard.specs, SIDECAR_METADATA, progress.offset)
     if progress.offset == 0:
@@ -537,7 +543,9 @@ def _write_shard(
                 bar.update(1)
                 continue
             with counters.timed("fold"):
-                data, record = fold_from_source(plan, layer, shard.name, leaf_pool, options.allow_nonfinite, fetch, device)
+                data, record = fold_from_source(
+                    plan, layer, shard.name, leaf_pool, options.allow_nonfinite, fetch, device, buffers
+                )  # the buffers are reused by the fold after next: this layer's write is awaited before it
             counters.add(hashed=sum(part.nbytes for part in data))  # the head leaves: each fold byte once
             if writing is not None:
                 writing.result()

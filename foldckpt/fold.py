@@ -113,10 +113,13 @@ def fold_layer(
     g: Geometry,
     out_dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The head-major fold ``[H*(L+R), Lq]`` of one layer on the CPU: fp32 accumulation (on
-    ``device``), one rounding to ``out_dtype`` (written straight into the output)."""
-    out = torch.empty(g.num_heads, g.fold_head_dim, g.q_lora_rank, dtype=out_dtype)
+    ``device``), one rounding to ``out_dtype``, written straight into ``out`` (a fresh tensor when
+    None)."""
+    shape = (g.num_heads, g.fold_head_dim, g.q_lora_rank)
+    out = torch.empty(shape, dtype=out_dtype) if out is None else out.view(shape)
     lora = g.kv_lora_rank
     for chunk, ql_nope, q_pe in fold_chunks(q_b, kv_b, g, device):
         out[chunk, :lora].copy_(ql_nope if ql_nope.device.type == "cpu" else ql_nope.to(out_dtype))
@@ -144,13 +147,17 @@ def dequantize_fp8_rows(values: torch.Tensor, scale: torch.Tensor, dtype: torch.
 
 
 def fold_layer_fp8(
-    q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, device: torch.device | str = "cpu",
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The fp8 fold of one layer on the CPU: e4m3 ``[H*(L+R), Lq]`` and its fp32 scale per row
     ``[H*(L+R)]``, quantized from the exact fold (:func:`quantize_fp8_rows`; rows are independent,
-    so the ql_nope and q_pe rows are quantized apart)."""
-    values = torch.empty(g.num_heads, g.fold_head_dim, g.q_lora_rank, dtype=torch.float8_e4m3fn)
-    scale = torch.empty(g.num_heads, g.fold_head_dim, dtype=torch.float32)
+    so the ql_nope and q_pe rows are quantized apart), written into ``out`` when given."""
+    shape = (g.num_heads, g.fold_head_dim, g.q_lora_rank)
+    if out is None:
+        values, scale = torch.empty(shape, dtype=torch.float8_e4m3fn), torch.empty(shape[:2], dtype=torch.float32)
+    else:
+        values, scale = out[0].view(shape), out[1].view(shape[:2])
     lora = g.kv_lora_rank
     for chunk, ql_nope, q_pe in fold_chunks(q_b, kv_b, g, device):
         for rows, exact in ((slice(None, lora), ql_nope), (slice(lora, None), q_pe.to(ql_nope.device))):

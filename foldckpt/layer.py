@@ -121,6 +121,26 @@ def load_layer_inputs(
     return LayerInputs(q_b, kv_b, tuple(q_sources + kv_sources))
 
 
+class FoldBuffers:
+    """Two sets of fold output tensors, used in turn: the fold of layer i + 1 is written into one
+    while the other still holds layer i on its way to disk. Why: a fresh 170 MB tensor per layer
+    costs its page faults (measured 70 ms to fill one against 11 ms reused). The caller must have
+    finished with the bytes of a layer before the fold after next (convert waits for each write
+    before it starts the next one)."""
+
+    def __init__(self) -> None:
+        self._sets: list[list[torch.Tensor] | None] = [None, None]
+        self._turn = 0
+
+    def take(self, layer: LayerPlan) -> list[torch.Tensor]:
+        turn, self._turn = self._turn, self._turn ^ 1
+        wanted = [(spec.shape, TORCH_DTYPES[spec.dtype]) for spec in layer.outputs]
+        held = self._sets[turn]
+        if held is None or [(tuple(t.shape), t.dtype) for t in held] != wanted:
+            held = self._sets[turn] = [torch.empty(shape, dtype=dtype) for shape, dtype in wanted]
+        return held
+
+
 def fold_from_source(
     plan: ConversionPlan,
     layer: LayerPlan,
@@ -129,15 +149,19 @@ def fold_from_source(
     allow_nonfinite: bool = False,
     fetch: Fetch | None = None,
     device: str = "cpu",
+    buffers: FoldBuffers | None = None,
 ) -> tuple[list[memoryview], FoldTensor]:
-    """The stored bytes of one layer's fold (the tensors in sidecar order) and its manifest record."""
+    """The stored bytes of one layer's fold (the tensors in sidecar order) and its manifest record;
+    the bytes live in ``buffers`` when given (valid until the fold after next)."""
     geometry = plan.geometry
     inputs = load_layer_inputs(plan, layer, allow_nonfinite, fetch)
+    out = buffers.take(layer) if buffers is not None else None
     scale: torch.Tensor | None = None
     if layer.scale_output is not None:
-        fold, scale = fold_layer_fp8(inputs.q_b_proj, inputs.kv_b_proj, geometry, device)
+        fold, scale = fold_layer_fp8(inputs.q_b_proj, inputs.kv_b_proj, geometry, device, None if out is None else (out[0], out[1]))
     else:
-        fold = fold_layer(inputs.q_b_proj, inputs.kv_b_proj, geometry, FOLD_DTYPES[plan.fold_dtype], device)
+        dtype = FOLD_DTYPES[plan.fold_dtype]
+        fold = fold_layer(inputs.q_b_proj, inputs.kv_b_proj, geometry, dtype, device, None if out is None else out[0])
     check_fold_finite(fold, inputs, layer, plan.fold_dtype, scale)
     error = fold_error(fold, inputs.q_b_proj, inputs.kv_b_proj, geometry, sample_heads(geometry.num_heads), scale)
     data = [tensor_to_bytes(fold)] + ([] if scale is None else [tensor_to_bytes(scale)])
