@@ -10,7 +10,7 @@ a manifest cannot disagree on what "consistent" means:
   safetensors file or sidecar lies beside them;
 * :func:`sidecar_headers`: every sidecar header parses, tiles its file, has the recorded sha256
   and holds exactly the manifest's folds with their dtypes and shapes;
-* :func:`add_head_ranges` / :func:`sidecar_intact`: the head blocks whose digests, with the
+* :func:`add_head_ranges` / :func:`heads_intact` / :func:`sidecar_intact`: the head blocks whose digests, with the
   header's, cover every byte of a sidecar (verify's content level, convert's resume checks);
 * :func:`config_problems`: ``config.json`` gives exactly the manifest's geometry
   (:meth:`Geometry.differences`, the one definition of equality).
@@ -222,8 +222,14 @@ def sidecar_intact(path: Path, record: SidecarRecord, tensors: Iterable[FoldTens
         return False
     if header.file_size != record.size or header_sha256(header) != record.header_sha256:
         return False
-    job = HashJob(path.name, record.size, False)
-    add_head_ranges(job, header.tensors, tensors, heads)
+    return heads_intact(path, header.tensors, tensors, heads)
+
+
+def heads_intact(path: Path, infos: dict[str, TensorInfo], tensors: Iterable[FoldTensor], heads: int) -> bool:
+    """Whether every head block of every fold in ``tensors`` (placed in ``path`` as ``infos`` says)
+    matches its recorded leaf digest: one read of those ranges."""
+    job = HashJob(path.name, 0, False)
+    add_head_ranges(job, infos, tensors, heads)
     _, digests = hash_job(path, job)
     return all(digests[bound] == check.expected for bound, checks in job.ranges.items() for check in checks)
 

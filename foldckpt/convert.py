@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from foldckpt.checkpoint import INDEX_NAME, stays_inside
-from foldckpt.consistency import add_head_ranges, sidecar_intact
+from foldckpt.consistency import heads_intact, sidecar_intact
 from foldckpt.defaults import ACCUMULATION_DTYPE, DEFAULT_FOLD_DEVICE, DEFAULT_FOLD_DTYPE, resolve_fold_device
 from foldckpt.errors import FoldckptError
 from foldckpt.files import (
@@ -40,7 +40,7 @@ from foldckpt.files import (
     tmp_path_for,
     worker_pool,
 )
-from foldckpt.hashing import HashJob, default_workers, hash_job
+from foldckpt.hashing import default_workers
 from foldckpt.hub import ModelSource
 from foldckpt.inspect import FoldedLayer
 from foldckpt.journal import JOURNAL_NAME, Journal, ShardProgress, run_key
@@ -519,7 +519,7 @@ def _write_shard(
     writer = ShardWriter(out_dir / shard.name, shard.specs, SIDECAR_METADATA, progress.offset)
     if progress.offset == 0:
         counters.add(written=writer.offset)
-    if writer.offset != progress.offset or not _prefix_intact(writer, shard, progress, plan.geometry.num_heads):
+    if writer.offset != progress.offset or not _prefix_intact(writer, progress, plan.geometry.num_heads):
         with journal.lock:  # nothing usable on disk: start the shard over
             progress.tensors.clear()
             progress.offset = writer.restart()
@@ -569,16 +569,11 @@ def _write_shard(
     return folded
 
 
-def _prefix_intact(writer: ShardWriter, shard: ShardPlan, progress: ShardProgress, heads: int) -> bool:
+def _prefix_intact(writer: ShardWriter, progress: ShardProgress, heads: int) -> bool:
     """Whether the folds a resumed shard keeps still hold their journaled head digests (the
     temporary file is ours, but a crash or a hand can damage it between two runs)."""
-    if not progress.tensors:
-        return True
-    job = HashJob(writer.tmp.name, writer.offset, False)
     kept = [FoldTensor.from_dict(name, record) for name, record in progress.tensors.items()]
-    add_head_ranges(job, writer.layout, kept, heads)
-    _, digests = hash_job(writer.tmp, job)
-    return all(digests[bound] == check.expected for bound, checks in job.ranges.items() for check in checks)
+    return not kept or heads_intact(writer.tmp, writer.layout, kept, heads)
 
 
 def _manifest(
