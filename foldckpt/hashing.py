@@ -8,10 +8,11 @@ Two things live here, and nowhere else:
   unit any rank owns), and a rank's digest is derived from its heads' leaves only
   (:func:`rank_digest`): any rank of any TP size checks exactly what it loads, and convert hashes
   each fold byte once, whatever TP sizes will serve it;
-* **bounded reads** for whole-file and range digests (:func:`hash_job`): plain ``preadv`` into one
-  fixed buffer per thread (no memory map, so the address space a check needs does not grow with the
-  files), each chunk fed to the whole-file digest and to every range (head block) it overlaps while
-  it is in cache; a prefetch hint keeps the disk busy while the thread hashes.
+* **bounded reads** for whole-file and range digests (:func:`hash_job`): ``preadv`` into one fixed
+  buffer per thread (no memory map, so the address space a check needs does not grow with the
+  files), direct I/O for files not in the page cache (:mod:`foldckpt.direct_io`), each chunk fed
+  to the whole-file digest and to every range (head block) it overlaps while it is in cache; plain
+  reads ask the kernel to prefetch, so that the disk stays busy while the thread hashes.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import hashlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from foldckpt.direct_io import direct_reader, read_direct, refused
 from foldckpt.files import HASH_BUFFER, os_error
 
 # The definition of a rank's digest, recorded in the manifest (``integrity``) for other readers.
@@ -169,9 +172,23 @@ def default_workers(cached: bool = False) -> int:
     return cores if cached else min(32, 2 * cores)
 
 
-def chunks(handle: BinaryIO, size: int, segments: list[tuple[int, int]]) -> Iterator[tuple[int, memoryview]]:
+def chunks(
+    handle: BinaryIO, size: int, segments: list[tuple[int, int]], direct: int | None = None
+) -> Iterator[tuple[int, memoryview]]:
     """``(offset, bytes)`` of ``segments`` (clipped to ``size``) in ``HASH_BUFFER`` steps, each valid
-    until the next step: one fixed buffer, ``preadv``, and the next ``_PREFETCH`` bytes asked ahead."""
+    until the next: read through ``direct`` (a direct-I/O descriptor of the same file, see
+    :mod:`foldckpt.direct_io`) when given and the filesystem takes its transfers, else from
+    ``handle`` into one fixed buffer with ``preadv``, the next ``_PREFETCH`` bytes asked ahead."""
+    if direct is not None:
+        started = False
+        try:
+            for item in read_direct(direct, size, segments, HASH_BUFFER):
+                started = True
+                yield item
+            return
+        except OSError as exc:
+            if started or not refused(exc):
+                raise
     fd = handle.fileno()
     advise = hasattr(os, "posix_fadvise")
     if advise:
@@ -191,6 +208,19 @@ def chunks(handle: BinaryIO, size: int, segments: list[tuple[int, int]]) -> Iter
             pos += count
 
 
+@contextmanager
+def _direct_reads(path: Path, handle: BinaryIO) -> Iterator[int | None]:
+    """The direct-I/O descriptor to read ``handle``'s file through (None: read it plainly)."""
+    fd = handle.fileno()
+    size = os.fstat(fd).st_size
+    direct = direct_reader(path, size, in_page_cache(fd, size))
+    try:
+        yield direct
+    finally:
+        if direct is not None:
+            os.close(direct)
+
+
 def hash_job(
     path: Path, job: HashJob, progress: Callable[[int], object] | None = None, capture: Capture | None = None
 ) -> tuple[str | None, dict[tuple[int, int], str]]:
@@ -204,10 +234,10 @@ def hash_job(
     buffers: dict[tuple[int, int], bytearray | None] = {}
     pending, active = 0, []  # bounds sorted by start; active = started and not finished
     try:
-        with open(path, "rb", buffering=0) as handle:
+        with open(path, "rb", buffering=0) as handle, _direct_reads(path, handle) as direct:
             size = os.fstat(handle.fileno()).st_size
             segments = [(0, size)] if whole is not None else job.segments()
-            for pos, chunk in chunks(handle, size, segments):
+            for pos, chunk in chunks(handle, size, segments, direct):
                 chunk_end = pos + len(chunk)
                 if whole is not None:
                     whole.update(chunk)

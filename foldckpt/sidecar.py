@@ -3,7 +3,8 @@
 The shard is built under its temporary name: the header (known from the plan) first, then each
 fold's bytes, fsynced after every layer. The journal records the byte offset reached, so a resumed
 run truncates the temporary file back to the last durable layer and appends from there. Only a
-complete shard is renamed to its final name. The writer hashes the header only: the fold bytes
+complete shard is renamed to its final name. Appends bypass the page cache where the filesystem
+allows (:class:`foldckpt.direct_io.DurableAppender`). The writer hashes the header only: the fold bytes
 are hashed once, head by head, where they are made (:func:`foldckpt.hashing.head_digests`), and
 those digests with the header's cover the whole file (manifest format 3).
 """
@@ -15,6 +16,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from foldckpt.direct_io import DurableAppender
 from foldckpt.files import fsync_dir, os_error, tmp_path_for
 from foldckpt.manifest import SidecarRecord
 from foldckpt.safetensors_format import TensorInfo, TensorSpec, encode_header
@@ -38,40 +40,39 @@ class ShardWriter:
             cursor += spec.nbytes
         try:
             if resume_offset >= len(header) and self.tmp.is_file() and self.tmp.stat().st_size >= resume_offset:
-                self._handle = open(self.tmp, "r+b")
-                self._handle.truncate(resume_offset)
-                self._handle.seek(resume_offset)
-                self.offset = resume_offset
+                fd = os.open(self.tmp, os.O_RDWR)
+                os.ftruncate(fd, resume_offset)
+                kept = resume_offset
             else:
-                self._handle = open(self.tmp, "wb")
-                self.offset = 0
-                self.append(header)
+                fd, kept = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666), 0
+            self._fd: int | None = fd
+            self._out = DurableAppender(self.tmp, fd, kept)
         except OSError as exc:
             raise os_error(self.tmp, exc, "writing") from None
+        if self.offset == 0:
+            self.append(header)
+
+    @property
+    def offset(self) -> int:
+        """The durable size of the temporary file (what the journal records)."""
+        return self._out.offset
 
     def append(self, data: bytes | memoryview | list[memoryview]) -> int:
         """Append (one buffer or several, in order) and make durable; returns the new durable
         offset (for the journal)."""
-        parts = data if isinstance(data, list) else [data]
+        parts = data if isinstance(data, list) else [memoryview(data)]
         try:
-            for part in parts:
-                self._handle.write(part)
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
+            return self._out.append(parts)
         except OSError as exc:
             self.close()
             raise os_error(self.path, exc, "writing") from None
-        self.offset += sum(memoryview(part).nbytes for part in parts)
-        return self.offset
 
     def restart(self) -> int:
         """Drop everything after the header (a resumed prefix that no longer holds its folds)."""
         try:
-            self._handle.truncate(self.header_size)
-            self._handle.seek(self.header_size)
+            self._out.truncate(self.header_size)
         except OSError as exc:
             raise os_error(self.tmp, exc, "writing") from None
-        self.offset = self.header_size
         return self.offset
 
     def finish(self) -> SidecarRecord:
@@ -93,12 +94,9 @@ class ShardWriter:
             raise os_error(self.path, exc, "renaming into place") from None
 
     def close(self) -> None:
-        """Close the file, ignoring a failed final flush.
-
-        After a failed :meth:`append` (disk full, file too large) the buffer still holds bytes
-        that closing retries and fails to write again; they lie past the journaled offset, which
-        a resume truncates back to, so nothing is lost and the one-line error stays the one raised.
-        """
-        if not self._handle.closed:
+        """Close the file (idempotent). Nothing is buffered here: every append is durable or failed."""
+        if self._fd is not None:
+            self._out.close()
             with contextlib.suppress(OSError):
-                self._handle.close()
+                os.close(self._fd)
+            self._fd = None

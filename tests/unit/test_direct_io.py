@@ -1,0 +1,163 @@
+"""Direct I/O (foldckpt.direct_io) on real files: the bytes read and written are exactly the plain
+ones whatever the alignment, and the page cache really is bypassed where the filesystem allows."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from foldckpt.direct_io import ALIGN, DIRECT_CHUNK, DurableAppender, direct_reader, open_direct, read_direct
+from foldckpt.hashing import HashJob, RangeCheck, hash_job, in_page_cache
+
+PIECE = 1 << 20
+
+
+def _direct_supported(folder: Path) -> bool:
+    probe = folder / "probe"
+    probe.write_bytes(b"")
+    fd = open_direct(probe, os.O_RDONLY)
+    if fd is None:
+        return False
+    os.close(fd)
+    return True
+
+
+@pytest.fixture
+def data_file(tmp_path: Path) -> tuple[Path, bytes]:
+    if not _direct_supported(tmp_path):
+        pytest.skip("this filesystem has no O_DIRECT")
+    data = os.urandom(3 * DIRECT_CHUNK + 12345)  # a partial last block
+    path = tmp_path / "data.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize(
+    "segments",
+    [
+        lambda n: [(0, n)],
+        lambda n: [(5, 100), (DIRECT_CHUNK - 3, 2 * DIRECT_CHUNK + 7), (n - 10, n + 50)],  # unaligned, past the end
+        lambda n: [(ALIGN, ALIGN), (n + 1, n + 10)],  # empty and wholly past the end
+    ],
+)
+def test_direct_reads_yield_exactly_the_segments_bytes(data_file: tuple[Path, bytes], segments) -> None:
+    path, data = data_file
+    wanted = segments(len(data))
+    fd = open_direct(path, os.O_RDONLY)
+    assert fd is not None
+    try:
+        got = [(pos, bytes(chunk)) for pos, chunk in read_direct(fd, len(data), wanted, PIECE)]
+    finally:
+        os.close(fd)
+    for start, end in wanted:
+        assert b"".join(chunk for pos, chunk in got if start <= pos < end) == data[start:end]
+    assert all(len(chunk) <= PIECE for _, chunk in got)
+    assert [pos for pos, _ in got] == sorted(pos for pos, _ in got)
+
+
+def test_direct_reads_stop_at_the_real_end_of_a_shorter_file(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    claimed = len(data) + 5 * DIRECT_CHUNK  # a header that promises more than the file holds
+    fd = open_direct(path, os.O_RDONLY)
+    assert fd is not None
+    try:
+        got = b"".join(bytes(chunk) for _, chunk in read_direct(fd, claimed, [(0, claimed)], PIECE))
+    finally:
+        os.close(fd)
+    assert got == data
+
+
+def test_abandoning_a_direct_read_ends_its_reader_thread(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    fd = open_direct(path, os.O_RDONLY)
+    assert fd is not None
+    before = {t.ident for t in threading.enumerate()}
+    reads = read_direct(fd, len(data), [(0, len(data))], PIECE)
+    next(reads)
+    assert any(t.name == "foldckpt-direct-read" for t in threading.enumerate() if t.ident not in before)
+    reads.close()
+    os.close(fd)
+    assert not any(t.name == "foldckpt-direct-read" for t in threading.enumerate() if t.ident not in before)
+
+
+def test_hashing_an_uncached_file_bypasses_the_page_cache_and_a_cached_one_uses_it(
+    data_file: tuple[Path, bytes],
+) -> None:
+    path, data = data_file
+    job = HashJob(path.name, len(data), True)
+    job.add(100, 200, RangeCheck("t", None, None))
+    _evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert not in_page_cache(fd, len(data))
+        whole, ranges = hash_job(path, job)
+        assert not in_page_cache(fd, len(data))  # read directly: nothing was cached on the way
+        assert direct_reader(path, len(data), cached=True) is None  # cached files are read plainly
+    finally:
+        os.close(fd)
+    import hashlib
+
+    assert whole == hashlib.sha256(data).hexdigest()
+    assert ranges[(100, 200)] == hashlib.sha256(data[100:200]).hexdigest()
+
+
+def _appended(path: Path, start: bytes, parts: list[bytes]) -> DurableAppender:
+    path.write_bytes(start)
+    fd = os.open(path, os.O_RDWR)
+    appender = DurableAppender(path, fd, len(start))
+    for part in parts:
+        size = appender.append([memoryview(part)])
+        assert size == path.stat().st_size  # exact after every append: no padding left behind
+    return appender
+
+
+@pytest.mark.parametrize("start", [0, 1, ALIGN - 1, ALIGN, 3 * ALIGN + 5])
+def test_durable_appends_write_exactly_the_bytes_at_any_alignment(tmp_path: Path, start: int) -> None:
+    path = tmp_path / "out.bin"
+    head = os.urandom(start)
+    parts = [os.urandom(n) for n in (1, ALIGN - 1, 7, DIRECT_CHUNK + 3, 2 * DIRECT_CHUNK, 0, 12345)]
+    appender = _appended(path, head, parts)
+    appender.close()
+    os.close(appender.fd)
+    assert path.read_bytes() == head + b"".join(parts)
+
+
+def test_a_truncated_appender_resumes_over_the_cut_with_the_kept_tail(tmp_path: Path) -> None:
+    path = tmp_path / "out.bin"
+    first, second = os.urandom(ALIGN + 100), os.urandom(3 * ALIGN)
+    appender = _appended(path, b"", [first, second])
+    appender.truncate(ALIGN + 50)  # inside a block: the next append must keep bytes [ALIGN, ALIGN + 50)
+    appender.append([memoryview(b"x" * 10)])
+    appender.close()
+    os.close(appender.fd)
+    assert path.read_bytes() == first[: ALIGN + 50] + b"x" * 10
+    # a fresh appender at an unaligned offset (a resumed run) reads its tail back from the file
+    fd = os.open(path, os.O_RDWR)
+    resumed = DurableAppender(path, fd, ALIGN + 55)
+    os.ftruncate(fd, ALIGN + 55)
+    resumed.append([memoryview(b"yz")])
+    resumed.close()
+    os.close(fd)
+    assert path.read_bytes() == first[: ALIGN + 50] + b"x" * 5 + b"yz"
+
+
+def test_durable_appends_bypass_the_page_cache_where_supported(tmp_path: Path) -> None:
+    if not _direct_supported(tmp_path):
+        pytest.skip("this filesystem has no O_DIRECT")
+    path = tmp_path / "out.bin"
+    appender = _appended(path, b"", [os.urandom(4 * DIRECT_CHUNK)])
+    assert not in_page_cache(appender.fd, path.stat().st_size)
+    appender.close()
+    os.close(appender.fd)
