@@ -7,9 +7,9 @@ the disk needs for exactly those bytes, memory flat in the number of layers". Bo
 measured here, in the same run, on the same files, cold (each file's pages are dropped from the
 page cache first, ``POSIX_FADV_DONTNEED``; the JSON says whether that worked):
 
-* ``io_floor_s``: a plain read of every source byte convert hashes, concurrently with a write +
-  fsync of as many bytes as convert writes (the sidecars, with hard-linked sources), on the
-  same filesystems;
+* ``io_floor_s``: a read of every source byte convert hashes, concurrently with a write + fsync
+  of as many bytes as convert writes (the sidecars, with hard-linked sources), on the same
+  filesystems; measured with plain reads and writes and with direct I/O, the faster of the two;
 * ``wall_s``: ``convert`` in a fresh process (``VmHWM`` is its peak RSS), with the bytes it read,
   hashed, wrote and copied and each stage's busy time, as ``ConvertResult.io`` reports them.
 
@@ -40,6 +40,7 @@ import click
 import torch
 
 from foldckpt import __version__
+from foldckpt.direct_io import DIRECT_CHUNK, DurableAppender, open_direct, read_direct
 from foldckpt.hashing import default_workers, in_page_cache
 from foldckpt.synthetic import make_checkpoint
 
@@ -101,55 +102,80 @@ def _evict(paths: list[Path]) -> bool:
     return evicted
 
 
-def _read_file(path: Path) -> int:
-    buffer = bytearray(_READ_BUFFER)
+def _read_file(path: Path, direct: bool) -> int:
+    """Read every byte of ``path`` once and nothing else (plain reads, or direct I/O)."""
     total = 0
+    fd = open_direct(path, os.O_RDONLY) if direct else None
+    if fd is not None:
+        try:
+            for _, chunk in read_direct(fd, path.stat().st_size, [(0, path.stat().st_size)], DIRECT_CHUNK):
+                total += chunk.nbytes
+        finally:
+            os.close(fd)
+        return total
+    buffer = bytearray(_READ_BUFFER)
     with open(path, "rb", buffering=0) as handle:
         while count := handle.readinto(buffer):
             total += count
     return total
 
 
-def _write_file(path: Path, nbytes: int) -> None:
-    chunk = os.urandom(min(nbytes, 64 * 1024 * 1024)) if nbytes else b""
-    with open(path, "wb") as handle:
+def _write_file(path: Path, nbytes: int, direct: bool) -> None:
+    """Write ``nbytes`` and fsync once (plain writes, or direct I/O through the appender convert uses)."""
+    chunk = memoryview(os.urandom(min(nbytes, 64 * 1024 * 1024)) if nbytes else b"")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        if direct:
+            appender = DurableAppender(path, fd, 0)
+            appender.append([chunk[: min(nbytes - start, chunk.nbytes)] for start in range(0, nbytes, max(1, chunk.nbytes))])
+            appender.close()
+            return
         left = nbytes
         while left:
-            left -= handle.write(chunk[: min(left, len(chunk))])
-        handle.flush()
-        os.fsync(handle.fileno())
+            left -= os.write(fd, chunk[: min(left, chunk.nbytes)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _io_floor(sources: list[Path], write_bytes: int, scratch: Path) -> dict[str, Any]:
     """Read every source byte (as many threads as convert hashes with) while writing and fsyncing
-    ``write_bytes``; also each alone, for the stage rates."""
+    ``write_bytes``, both the plain way and with direct I/O; the floor is the faster of the two.
+    Also each alone (the faster way), for the stage rates."""
     workers = default_workers()
 
-    def read_all() -> float:
+    def read_all(direct: bool) -> float:
         started = time.perf_counter()
         with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(_read_file, sorted(sources, key=lambda p: -p.stat().st_size)))
+            list(pool.map(lambda path: _read_file(path, direct), sorted(sources, key=lambda p: -p.stat().st_size)))
         return time.perf_counter() - started
 
-    def write_all() -> float:
+    def write_all(direct: bool) -> float:
         started = time.perf_counter()
-        _write_file(scratch / "floor-write.bin", write_bytes)
+        _write_file(scratch / "floor-write.bin", write_bytes, direct)
         return time.perf_counter() - started
 
-    _evict(sources)
-    read_s = read_all()
-    write_s = write_all()
-    (scratch / "floor-write.bin").unlink()
-    _evict(sources)
-    times: dict[str, float] = {}
-    started = time.perf_counter()
-    writer = threading.Thread(target=lambda: times.setdefault("write", write_all()))
-    writer.start()
-    times["read"] = read_all()
-    writer.join()
-    both_s = time.perf_counter() - started
-    (scratch / "floor-write.bin").unlink()
-    return {"io_floor_s": both_s, "read_alone_s": read_s, "write_alone_s": write_s}
+    def both(direct: bool) -> float:
+        _evict(sources)
+        started = time.perf_counter()
+        writer = threading.Thread(target=write_all, args=(direct,))
+        writer.start()
+        read_all(direct)
+        writer.join()
+        elapsed = time.perf_counter() - started
+        (scratch / "floor-write.bin").unlink()
+        return elapsed
+
+    alone: dict[str, float] = {}
+    for direct in (False, True):
+        _evict(sources)
+        alone[f"read_{'direct' if direct else 'plain'}_s"] = read_all(direct)
+        alone[f"write_{'direct' if direct else 'plain'}_s"] = write_all(direct)
+        (scratch / "floor-write.bin").unlink()
+    plain, direct = both(False), both(True)
+    return {"io_floor_s": min(plain, direct), "io_floor_plain_s": plain, "io_floor_direct_s": direct,
+            "read_alone_s": min(alone["read_plain_s"], alone["read_direct_s"]),
+            "write_alone_s": min(alone["write_plain_s"], alone["write_direct_s"]), **alone}  # fmt: skip
 
 
 def _convert_in_child(model_dir: Path, out_dir: Path, device: str, fold_dtype: str) -> dict[str, Any]:
@@ -175,9 +201,9 @@ def _sha256_rate() -> float:
 def _cached_read_rate(path: Path) -> float:
     """Bytes per second one thread reads of a file in the page cache (the kernel's copy, which
     costs a core as much as a read from the disk does)."""
-    _read_file(path)
+    _read_file(path, direct=False)
     started = time.perf_counter()
-    return _read_file(path) / (time.perf_counter() - started)
+    return _read_file(path, direct=False) / (time.perf_counter() - started)
 
 
 def _projection(records: list[dict[str, Any]], sha_rate: float, copy_rate: float) -> dict[str, Any]:
@@ -254,7 +280,7 @@ def main(mla_counts: tuple[int, ...], filler_per_layer: int, device: str, fold_d
                        f"{result['io_floor_s']:6.1f} s ({result['wall_over_floor']:.2f}x)  peak RSS "
                        f"{result['peak_rss_bytes'] / 2**20:6.0f} MiB  copied {result['bytes_copied']} B")  # fmt: skip
             shutil.rmtree(model_dir)
-        _write_file(scratch / "rate.bin", 1 << 30)
+        _write_file(scratch / "rate.bin", 1 << 30, direct=False)
         copy_rate = _cached_read_rate(scratch / "rate.bin")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
