@@ -178,6 +178,15 @@ def _io_floor(sources: list[Path], write_bytes: int, scratch: Path) -> dict[str,
             "write_alone_s": min(alone["write_plain_s"], alone["write_direct_s"]), **alone}  # fmt: skip
 
 
+def _torch_start_s(device: str) -> float:
+    """Seconds a fresh process takes to import torch (and, for ``cuda``, to start CUDA): a fixed
+    cost inside every ``wall_s`` (convert imports torch once it has something to fold), the same
+    for a 4-layer checkpoint as for a terabyte one, which the floor does not have."""
+    code = ("import time; t = time.perf_counter(); import torch; "
+            + ("torch.zeros(1, device='cuda'); " if device == "cuda" else "") + "print(time.perf_counter() - t)")  # fmt: skip
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
 def _convert_in_child(model_dir: Path, out_dir: Path, device: str, fold_dtype: str) -> dict[str, Any]:
     started = time.perf_counter()
     run = subprocess.run([sys.executable, "-c", _CHILD, str(model_dir), str(out_dir), device, fold_dtype],
@@ -269,6 +278,7 @@ def main(mla_counts: tuple[int, ...], filler_per_layer: int, device: str, fold_d
                 shutil.rmtree(out_dir)
                 floors.append(_io_floor(sources, runs[-1]["bytes_written"], scratch))
             result = dict(min(runs, key=lambda run: run["wall_s"]))
+            result["torch_start_s"] = _torch_start_s(device)
             written = result["bytes_written"]
             result.update(min(floors, key=lambda floor: floor["io_floor_s"]), source_bytes=source_bytes)
             result["all_wall_s"] = [run["wall_s"] for run in runs]
