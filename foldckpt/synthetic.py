@@ -187,13 +187,19 @@ def _deepseek_decoder(f: _TensorFactory, prefix: str, layers: int, mtp: int, d: 
         f.norm(f"{p}.post_attention_layernorm.weight", d.hidden)
         _deepseek_mlp(f, p, d, dense=i == 0)
         if i >= layers:  # DeepSeek MTP block extras
-            f.norm(f"{p}.enorm.weight", d.hidden)
-            f.norm(f"{p}.hnorm.weight", d.hidden)
-            f.linear(f"{p}.eh_proj.weight", d.hidden, 2 * d.hidden)
-            f.norm(f"{p}.shared_head.norm.weight", d.hidden)
-            f.linear(f"{p}.shared_head.head.weight", d.vocab, d.hidden)
+            _mtp_head(f, p, d)
     if not full:
         f.norm(f"{prefix}.norm.weight", d.hidden)
+
+
+def _mtp_head(f: _TensorFactory, p: str, d: TinyDims) -> None:
+    """What an MTP layer holds beside its decoder layer: the norms of the embedding and the hidden
+    state, their projection and the shared head (the same names in DeepSeek-V3 and Kimi-K3)."""
+    f.norm(f"{p}.enorm.weight", d.hidden)
+    f.norm(f"{p}.hnorm.weight", d.hidden)
+    f.linear(f"{p}.eh_proj.weight", d.hidden, 2 * d.hidden)
+    f.norm(f"{p}.shared_head.norm.weight", d.hidden)
+    f.linear(f"{p}.shared_head.head.weight", d.vocab, d.hidden)
 
 
 def _quantize_fp8(f: _TensorFactory) -> None:
@@ -303,11 +309,7 @@ def _kimi_k3(f: _TensorFactory, layers: int, mtp: int, d: TinyDims, full: bool,
         _k3_moe(f, p, d, bf16_experts)
         if i >= layers:  # the MTP block's own tensors (vllm/models/kimi_k3/nvidia/mtp.py)
             f.linear(f"{p}.embed_tokens.weight", d.vocab, d.hidden)
-            f.norm(f"{p}.enorm.weight", d.hidden)
-            f.norm(f"{p}.hnorm.weight", d.hidden)
-            f.linear(f"{p}.eh_proj.weight", d.hidden, 2 * d.hidden)
-            f.norm(f"{p}.shared_head.norm.weight", d.hidden)
-            f.linear(f"{p}.shared_head.head.weight", d.vocab, d.hidden)
+            _mtp_head(f, p, d)
     if not full:
         f.norm(f"{prefix}.norm.weight", d.hidden)
         f.linear("language_model.lm_head.weight", d.vocab, d.hidden)
