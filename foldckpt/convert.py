@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from foldckpt.checkpoint import INDEX_NAME, stays_inside
 from foldckpt.consistency import heads_intact, sidecar_intact
 from foldckpt.defaults import ACCUMULATION_DTYPE, DEFAULT_FOLD_DEVICE, DEFAULT_FOLD_DTYPE, resolve_fold_device
+from foldckpt.direct_io import DiskPriority
 from foldckpt.errors import FoldckptError
 from foldckpt.files import (
     atomic_output,
@@ -428,8 +429,9 @@ def _fold_order(plan: ConversionPlan, journal: Journal) -> list[LayerPlan]:
 
 
 def _source_reads(
-    plan: ConversionPlan, out_dir: Path, journal: Journal, todo: list[LayerPlan], counters: IOCounters, bar: Any
-) -> SourceReads:
+    plan: ConversionPlan, out_dir: Path, journal: Journal, todo: list[LayerPlan], counters: IOCounters, bar: Any,
+    priority: DiskPriority,
+) -> SourceReads:  # fmt: skip
     """The hashing passes of this run: every placed file not hashed yet, those feeding the first
     layers to fold first (then the largest), so that the fold waits as little as possible."""
     inputs = {(file, info.name): info for layer in plan.layers for file, info in layer.input_tensors()}
@@ -453,7 +455,8 @@ def _source_reads(
             journal.save()
 
     return SourceReads(
-        out_dir, {n: sizes[n] for n in order}, inputs, wanted, recorded, on_hashed, bar.update, counters
+        out_dir, {n: sizes[n] for n in order}, inputs, wanted, recorded, on_hashed, bar.update, counters,
+        priority=priority,
     )  # fmt: skip
 
 
@@ -477,7 +480,9 @@ def _hash_and_fold(
         worker_pool(cores) as leaf_pool,
         worker_pool(1) as write_pool,
     ):
-        reads = _source_reads(plan, out_dir, journal, todo, counters, hash_bar)
+        # the sidecar appends go before the passes over files that feed no layer (DiskPriority)
+        priority = DiskPriority()
+        reads = _source_reads(plan, out_dir, journal, todo, counters, hash_bar, priority)
         reads.start(feeding_pool, other_pool)
         from foldckpt.layer import FoldBuffers  # torch: only once there is something to fold
 
@@ -489,7 +494,7 @@ def _hash_and_fold(
                     continue
                 folded += _write_shard(
                     plan, shard, out_dir, journal, options, (reads.take, device, buffers), counters, leaf_pool, write_pool,
-                    fold_bar,
+                    fold_bar, priority,
                 )  # fmt: skip
             reads.wait()
         except BaseException:
@@ -509,6 +514,7 @@ def _write_shard(
     leaf_pool: Executor,
     write_pool: Executor,
     bar: Any,
+    priority: DiskPriority,
 ) -> list[str]:
     """Write (or finish) one sidecar shard; returns the folds (tensor names) made in this run. Layer
     i + 1 is folded while layer i is written and fsynced; each is journaled once durable."""
@@ -516,7 +522,7 @@ def _write_shard(
 
     fetch, device, buffers = source
     progress = journal.shard(shard.name)
-    writer = ShardWriter(out_dir / shard.name, shard.specs, SIDECAR_METADATA, progress.offset)
+    writer = ShardWriter(out_dir / shard.name, shard.specs, SIDECAR_METADATA, progress.offset, priority)
     if progress.offset == 0:
         counters.add(written=writer.offset)
     if writer.offset != progress.offset or not _prefix_intact(writer, progress, plan.geometry.num_heads):

@@ -173,16 +173,21 @@ def default_workers(cached: bool = False) -> int:
 
 
 def chunks(
-    handle: BinaryIO, size: int, segments: list[tuple[int, int]], direct: int | None = None
+    handle: BinaryIO,
+    size: int,
+    segments: list[tuple[int, int]],
+    direct: int | None = None,
+    before_transfer: Callable[[], None] | None = None,
 ) -> Iterator[tuple[int, memoryview]]:
     """``(offset, bytes)`` of ``segments`` (clipped to ``size``) in ``HASH_BUFFER`` steps, each valid
     until the next: read through ``direct`` (a direct-I/O descriptor of the same file, see
     :mod:`foldckpt.direct_io`) when given and the filesystem takes its transfers, else from
-    ``handle`` into one fixed buffer with ``preadv``, the next ``_PREFETCH`` bytes asked ahead."""
+    ``handle`` into one fixed buffer with ``preadv``, the next ``_PREFETCH`` bytes asked ahead;
+    ``before_transfer`` runs before each read (a background pass waiting for its turn)."""
     if direct is not None:
         started = False
         try:
-            for item in read_direct(direct, size, segments, HASH_BUFFER):
+            for item in read_direct(direct, size, segments, HASH_BUFFER, before_transfer):
                 started = True
                 yield item
             return
@@ -201,6 +206,8 @@ def chunks(
             if advise and asked < end and asked - pos < _PREFETCH // 2:
                 os.posix_fadvise(fd, asked, min(_PREFETCH, end - asked), os.POSIX_FADV_WILLNEED)
                 asked += _PREFETCH
+            if before_transfer is not None:
+                before_transfer()
             count = os.preadv(fd, [buffer[: min(HASH_BUFFER, end - pos)]], pos)
             if not count:
                 return  # shorter than recorded: the digests will not match
@@ -222,12 +229,16 @@ def _direct_reads(path: Path, handle: BinaryIO) -> Iterator[int | None]:
 
 
 def hash_job(
-    path: Path, job: HashJob, progress: Callable[[int], object] | None = None, capture: Capture | None = None
+    path: Path,
+    job: HashJob,
+    progress: Callable[[int], object] | None = None,
+    capture: Capture | None = None,
+    before_transfer: Callable[[], None] | None = None,
 ) -> tuple[str | None, dict[tuple[int, int], str]]:
     """Read the job's segments once, feeding the whole-file digest and every overlapping range digest
     (a range is fed chunk by chunk, right after the whole-file digest, while the bytes are in cache),
-    and, with ``capture``, copying the ranges it asks for. Returns (whole-file digest or None, range
-    digests). ``progress`` may raise to abandon the pass."""
+    and, with ``capture``, copying the ranges it asks for; ``before_transfer`` as in :func:`chunks`.
+    Returns (whole-file digest or None, range digests). ``progress`` may raise to abandon the pass."""
     whole = hashlib.sha256() if job.whole else None
     bounds = sorted(job.ranges)
     digests = {bound: hashlib.sha256() for bound in bounds}
@@ -237,7 +248,7 @@ def hash_job(
         with open(path, "rb", buffering=0) as handle, _direct_reads(path, handle) as direct:
             size = os.fstat(handle.fileno()).st_size
             segments = [(0, size)] if whole is not None else job.segments()
-            for pos, chunk in chunks(handle, size, segments, direct):
+            for pos, chunk in chunks(handle, size, segments, direct, before_transfer):
                 chunk_end = pos + len(chunk)
                 if whole is not None:
                     whole.update(chunk)

@@ -16,7 +16,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from foldckpt.direct_io import DurableAppender
+from foldckpt.direct_io import DiskPriority, DurableAppender
 from foldckpt.files import fsync_dir, os_error, tmp_path_for
 from foldckpt.manifest import SidecarRecord
 from foldckpt.safetensors_format import TensorInfo, TensorSpec, encode_header
@@ -24,8 +24,14 @@ from foldckpt.safetensors_format import TensorInfo, TensorSpec, encode_header
 
 class ShardWriter:
     def __init__(
-        self, path: Path, specs: list[TensorSpec], metadata: dict[str, str], resume_offset: int = 0
+        self,
+        path: Path,
+        specs: list[TensorSpec],
+        metadata: dict[str, str],
+        resume_offset: int = 0,
+        priority: DiskPriority | None = None,
     ) -> None:
+        """``priority``: the run's, so that its appends go before background reads."""
         self.path = path
         self.tmp = tmp_path_for(path)
         header = encode_header(specs, metadata)
@@ -46,7 +52,7 @@ class ShardWriter:
             else:
                 fd, kept = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666), 0
             self._fd: int | None = fd
-            self._out = DurableAppender(self.tmp, fd, kept)
+            self._out = DurableAppender(self.tmp, fd, kept, priority)
         except OSError as exc:
             raise os_error(self.tmp, exc, "writing") from None
         if self.offset == 0:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from foldckpt.direct_io import DiskPriority
 from foldckpt.errors import FoldckptError
 from foldckpt.hashing import HashJob, RangeCheck, hash_job
 from foldckpt.manifest import FileRecord
@@ -106,7 +107,8 @@ class SourceReads:
     inputs still to be folded in this run -> the position (in fold order) of the layer that takes
     them (copied when the budget allows; default budget: ``LOOKAHEAD_LAYERS + 2`` layers' inputs, room for
     the layer being folded, the ones ahead and a file that interleaves layers);
-    ``recorded``: (file, tensor) -> sha256 an earlier run's fold recorded (checked).
+    ``recorded``: (file, tensor) -> sha256 an earlier run's fold recorded (checked); ``priority``:
+    the run's, whose foreground transfers the passes over files that feed no layer wait for.
     ``on_hashed(name, record)`` runs in the pass's thread when a file's digest is known.
     """
 
@@ -121,8 +123,10 @@ class SourceReads:
         progress: Callable[[int], object],
         counters: IOCounters,
         budget: int | None = None,
+        priority: DiskPriority | None = None,
     ) -> None:
         self.out_dir = out_dir
+        self.priority = priority
         self.files = files
         self.inputs = inputs
         self.wanted = wanted
@@ -213,7 +217,8 @@ class SourceReads:
 
         try:
             with self.counters.timed("source_passes"):
-                whole, ranges = hash_job(self.out_dir / name, job, progress, capture)
+                background = self.priority.background_turn if self.priority and due is None else None
+                whole, ranges = hash_job(self.out_dir / name, job, progress, capture, background)
         except _Abandoned:
             capture.give_up(None)
             return

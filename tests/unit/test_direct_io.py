@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from foldckpt.direct_io import ALIGN, DIRECT_CHUNK, DurableAppender, direct_reader, open_direct, read_direct
+from foldckpt.direct_io import ALIGN, DIRECT_CHUNK, DiskPriority, DurableAppender, direct_reader, open_direct, read_direct
 from foldckpt.hashing import HashJob, RangeCheck, hash_job, in_page_cache
 
 PIECE = 1 << 20
@@ -161,3 +162,29 @@ def test_durable_appends_bypass_the_page_cache_where_supported(tmp_path: Path) -
     assert not in_page_cache(appender.fd, path.stat().st_size)
     appender.close()
     os.close(appender.fd)
+
+
+def test_appends_with_a_priority_are_foreground_transfers(tmp_path: Path) -> None:
+    """A background read waiting for its turn during an append goes only once the append is durable."""
+    priority = DiskPriority()
+    path = tmp_path / "out.bin"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDWR)
+    appender = DurableAppender(path, fd, 0, priority)
+    data = memoryview(os.urandom(1 << 20) * 256)
+    ended: list[int] = []
+    size_at_turn: list[int] = []
+    writer = threading.Thread(target=lambda: ended.append(appender.append([data])))
+    with priority.foreground():  # holds the waiter until the append has begun
+        writer.start()
+        waiter = threading.Thread(target=lambda: (priority.background_turn(), size_at_turn.append(path.stat().st_size)))
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while priority._foreground < 2 and not ended and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert priority._foreground == 2, "the append did not run as a foreground transfer"
+    writer.join()
+    waiter.join()
+    appender.close()
+    os.close(fd)
+    assert size_at_turn == ended == [data.nbytes]  # the waiter's turn came after the whole append

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from foldckpt.direct_io import DiskPriority
 from foldckpt.errors import FoldckptError
 from foldckpt.manifest import FileRecord
 from foldckpt.plan import ConversionPlan, plan_conversion
@@ -35,14 +36,16 @@ def _inputs(plan: ConversionPlan) -> dict[tuple[str, str], TensorInfo]:
 
 
 def _reads(plan: ConversionPlan, budget: int, recorded: dict[tuple[str, str], str] | None = None,
-           files: dict[str, int] | None = None) -> tuple[SourceReads, dict[str, FileRecord], IOCounters]:  # fmt: skip
+           files: dict[str, int] | None = None, priority: DiskPriority | None = None,
+           ) -> tuple[SourceReads, dict[str, FileRecord], IOCounters]:  # fmt: skip
     model = plan.source.model_dir
     files = files or {name: (model / name).stat().st_size for name in plan.files_to_place}
     hashed: dict[str, FileRecord] = {}
     counters = IOCounters()
     inputs = _inputs(plan)
     wanted = {(file, info.name): position for position, layer in enumerate(plan.layers) for file, info in layer.input_tensors()}
-    reads = SourceReads(model, files, inputs, wanted, recorded or {}, hashed.__setitem__, lambda n: None, counters, budget)
+    reads = SourceReads(model, files, inputs, wanted, recorded or {}, hashed.__setitem__, lambda n: None, counters, budget,
+                        priority)  # fmt: skip
     return reads, hashed, counters
 
 
@@ -130,3 +133,40 @@ def test_a_failed_pass_wakes_the_fold_with_the_error(plan: ConversionPlan, tmp_p
             reads.take(file, info)
         with pytest.raises(FoldckptError):
             reads.wait()
+
+
+def test_files_that_feed_no_layer_wait_while_a_foreground_transfer_runs(plan: ConversionPlan) -> None:
+    """The sidecar appends go first: a pass over a file no fold waits for holds its reads while one
+    runs, and the passes the fold waits for do not."""
+    priority = DiskPriority()
+    reads, hashed, _ = _reads(plan, 1 << 30, priority=priority)
+    background = set(reads.files) - set(reads.first_use)
+    assert background and reads.first_use, "the layout must hold both kinds of file"
+    with ThreadPoolExecutor(len(reads.files)) as pool:
+        with priority.foreground():
+            reads.start(pool, pool)
+            for (file, _), info in _inputs(plan).items():
+                reads.take(file, info)  # every pass feeding the fold ends while the foreground runs
+            deadline = time.monotonic() + 30
+            while not set(reads.first_use) <= set(hashed) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)
+            assert set(hashed) == set(reads.first_use)  # the others hold their first read
+        reads.wait()
+    assert set(hashed) == set(reads.files)
+
+
+def test_background_turn_returns_only_once_no_foreground_transfer_runs() -> None:
+    priority = DiskPriority()
+    turns: list[float] = []
+    with priority.foreground():
+        with priority.foreground():  # nested: both must end
+            waiter = threading.Thread(target=lambda: (priority.background_turn(), turns.append(time.monotonic())))
+            waiter.start()
+            time.sleep(0.1)
+        time.sleep(0.1)
+        assert not turns
+        released = time.monotonic()
+    waiter.join(5)
+    assert turns and turns[0] >= released
+    priority.background_turn()  # nothing in the foreground: no wait
