@@ -12,6 +12,7 @@ import torch
 
 from foldckpt.fold import quantize_fp8_rows
 from foldckpt.runtime.kernels import (
+    dispatch,
     fold_gemm,
     fold_query,
     fold_route_max_tokens,
@@ -19,7 +20,6 @@ from foldckpt.runtime.kernels import (
     warmup_fold_gemm,
     warmup_fold_query,
 )
-from foldckpt.runtime.kernels import dispatch
 from foldckpt.runtime.kernels.reference import MlaDims, decode_rope
 from foldckpt.runtime.kernels.rope import rope_gptj
 from foldckpt.runtime.kernels.tuning import (
@@ -32,16 +32,13 @@ from foldckpt.runtime.kernels.tuning import (
     load_table,
     skinny_config,
 )
+from tests.gpu.kernel_cases import MAX_RELERR, SHAPES, K, record_launches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-K = 1536
-# Kimi-K3 TP16 / TP8 / TP4 and DeepSeek-V3 TP8 fold shapes, and a ragged one (no tile divides it).
-SHAPES = tuple(MlaDims(h).fold_rows for h in (6, 12, 24, 16))
+# A ragged fold shape (no tile divides it), beside the shared ones.
 RAGGED_N = 1000
 MS = (1, 2, 3, 4, 7, 8, 13, 14, 16, 28, 56, 57, 112, 129, 224, 255)
-# bf16 output rounding alone gives ~1.7e-3; a wrong tile, split or scale gives O(1).
-MAX_RELERR = 4e-3
 # Every path of the fp8 kernel: mma.sync and wgmma tiles, fp16 and bf16 MMA, split-K (2, 3, 4),
 # TMA, ragged row ownership, the whole K in flight, several M tiles, PDL.
 FIXED_CONFIGS = (
@@ -140,25 +137,6 @@ def test_fp8_fold_gemm_dispatch_every_m(cuda: torch.device, gen: torch.Generator
         assert relerr(out, x, w, scale) < MAX_RELERR, f"N={n} M={m}"
         assert torch.isnan(out_buf[:, :32]).all() and torch.isnan(out_buf[:, 32 + n :]).all(), "wrote outside out"
         assert relerr(fold_gemm(x, w, scale=scale), x, w, scale) < MAX_RELERR
-
-
-def record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object, bool]]:
-    """Every tiled / skinny Triton launch from now on: (kind, config, whether a scale was passed)."""
-    triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
-    launches: list[tuple[str, object, bool]] = []
-    tiled, skinny = triton_gemm.launch_fold_gemm, triton_gemm.launch_skinny_gemm
-
-    def launch_tiled(x, w, y, cfg, rope=None, scale=None):  # noqa: ANN001, ANN202 - mirrors the real signature
-        launches.append(("tiled", cfg, scale is not None))
-        tiled(x, w, y, cfg, rope, scale=scale)
-
-    def launch_skinny(x, w, y, cfg, scale=None):  # noqa: ANN001, ANN202
-        launches.append(("skinny", cfg, scale is not None))
-        skinny(x, w, y, cfg, scale=scale)
-
-    monkeypatch.setattr(triton_gemm, "launch_fold_gemm", launch_tiled)
-    monkeypatch.setattr(triton_gemm, "launch_skinny_gemm", launch_skinny)
-    return launches
 
 
 def test_fp8_dispatch_follows_the_table(

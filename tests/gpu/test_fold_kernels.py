@@ -10,14 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from foldckpt.runtime.kernels import dispatch, tuning
 from foldckpt.runtime.kernels import (
     QueryRope,
+    dispatch,
     fold_gemm,
     fold_query,
     fold_route_max_tokens,
     gpu_key,
     rope_query,
+    tuning,
     warmup_fold_gemm,
     warmup_fold_query,
 )
@@ -34,18 +35,14 @@ from foldckpt.runtime.kernels.tuning import (
     q_b_proj_bucket,
     skinny_config,
 )
+from tests.gpu.kernel_cases import MAX_RELERR, SHAPES, K, record_launches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-K = 1536
-# Kimi-K3 TP16 / TP8 / TP4 and DeepSeek-V3 TP8 fold shapes.
-SHAPES = tuple(MlaDims(h).fold_rows for h in (6, 12, 24, 16))
 # Their q_b_proj weights [heads * (P + R), K]: the unfolded baseline's Triton kernel runs at these.
 Q_B_PROJ_SHAPES = tuple(h * 192 for h in (6, 12, 24, 16))
 BENCH_MS = (1, 2, 4, 8, 14, 28, 56, 112, 224)
 ODD_MS = (1, 3, 7, 13, 57, 129, 255)
-# bf16 output rounding alone gives ~1e-3; a wrong tile or a lost split gives O(1).
-MAX_RELERR = 4e-3
 # Fixed configs covering every kernel path (mma.sync / wgmma, split or not, TMA or pointers,
 # ragged row ownership, several M tiles, programmatic dependent launch) independent of what the
 # tuner picked.
@@ -255,25 +252,6 @@ def test_fold_gemm_dispatch_strided_views(cuda: torch.device, gen: torch.Generat
         assert relerr(fold_gemm(x, w), x, w) < MAX_RELERR
 
 
-def record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, KernelConfig | SkinnyConfig]]:
-    """Every tiled ("tiled", cfg) and skinny ("skinny", cfg) Triton fold launch from now on."""
-    triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
-    launches: list[tuple[str, KernelConfig | SkinnyConfig]] = []
-    tiled, skinny = triton_gemm.launch_fold_gemm, triton_gemm.launch_skinny_gemm
-
-    def launch_tiled(x, w, y, cfg, rope=None, scale=None):  # noqa: ANN001, ANN202 - mirrors the real signature
-        launches.append(("tiled", cfg))
-        tiled(x, w, y, cfg, rope, scale=scale)
-
-    def launch_skinny(x, w, y, cfg, scale=None):  # noqa: ANN001, ANN202
-        launches.append(("skinny", cfg))
-        skinny(x, w, y, cfg, scale=scale)
-
-    monkeypatch.setattr(triton_gemm, "launch_fold_gemm", launch_tiled)
-    monkeypatch.setattr(triton_gemm, "launch_skinny_gemm", launch_skinny)
-    return launches
-
-
 def test_dispatch_uses_triton_where_the_table_says(
     cuda: torch.device, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -294,8 +272,8 @@ def test_dispatch_uses_triton_where_the_table_says(
                 x = torch.randn(m, entry.k, device=cuda, generator=gen).bfloat16()
                 y = fold_gemm(x, w)
                 expected = {
-                    "triton": [("tiled", bucket.config)],
-                    "skinny": [("skinny", skinny_config(table, "fold", entry.n, entry.k, m))],
+                    "triton": [("tiled", bucket.config, False)],
+                    "skinny": [("skinny", skinny_config(table, "fold", entry.n, entry.k, m), False)],
                     "torch": [],
                 }[bucket.backend]
                 assert launches == expected, (entry.n, m, bucket)
@@ -364,7 +342,7 @@ def test_skinny_fold_gemm_matches_fp64(
         launches.clear()
         assert fold_gemm(x, w, out=out).data_ptr() == out.data_ptr()
         y = fold_gemm(x, w)
-        assert launches == [("skinny", tile)] * 2, (m, launches)
+        assert launches == [("skinny", tile, False)] * 2, (m, launches)
         assert relerr(out, x, w) < MAX_RELERR, f"N={n} M={m} {tile}"
         assert torch.equal(out, y), f"N={n} M={m}: out view and fresh output differ"
         assert torch.isnan(out_buf[:, :32]).all() and torch.isnan(out_buf[:, 32 + n :]).all(), "wrote outside out"
@@ -390,7 +368,7 @@ def test_skinny_fold_gemm_graph_capture_and_replay(
     with torch.cuda.graph(graph):
         for x, y in zip(xs, ys, strict=True):
             fold_gemm(x, w, out=y)
-    assert [kind for kind, _ in launches] == ["skinny"] * len(ms), launches
+    assert [kind for kind, *_ in launches] == ["skinny"] * len(ms), launches
     for _ in range(2):
         for x in xs:
             x.copy_(torch.randn(x.shape, device=cuda, generator=gen).bfloat16())
@@ -445,7 +423,7 @@ def test_fold_query_in_a_skinny_bucket(
         rope, k_ref = rope_case(cuda, gen, m)
         launches.clear()
         y = fold_query(x, w, rope)
-        assert [kind for kind, _ in launches] == ["skinny"], launches
+        assert [kind for kind, *_ in launches] == ["skinny"], launches
         check_query(y, x, w, rope, k_ref, f"skinny bucket M={m}")
 
 
