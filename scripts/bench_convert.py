@@ -5,7 +5,8 @@ Why: a conversion must read its sources once (to hash them) and write its folds;
 cheap (about 19 GFLOP per Kimi-K3 layer). So the claim under test is "wall time close to the time
 the disk needs for exactly those bytes, memory flat in the number of layers". Both sides are
 measured here, in the same run, on the same files, cold (each file's pages are dropped from the
-page cache first, ``POSIX_FADV_DONTNEED``; the JSON says whether that worked):
+page cache first, ``POSIX_FADV_DONTNEED``; the JSON says whether that worked), each on a settled
+disk (``sync`` and a pause first, so that no phase shares the disk with the last one's writes):
 
 * ``io_floor_s``: a read of every source byte convert hashes, concurrently with a write + fsync
   of as many bytes as convert writes (the sidecars, with hard-linked sources), on the same
@@ -47,6 +48,7 @@ from foldckpt.synthetic import make_checkpoint
 FULL_K3_SOURCE_BYTES = 1.4e12
 FULL_K3_MLA_LAYERS = 24
 _READ_BUFFER = 8 * 1024 * 1024
+_SETTLE_S = 5.0
 
 # Peak RSS is read from VmHWM, the high-water mark of this process's own address space: ru_maxrss
 # would also count the bench parent's memory, which Linux carries across fork + exec.
@@ -100,6 +102,14 @@ def _evict(paths: list[Path]) -> bool:
         finally:
             os.close(fd)
     return evicted
+
+
+def _settle() -> None:
+    """Let the disk finish what earlier phases wrote before the next timed phase: on this project's
+    VMs a virtual disk keeps writing back after fsync returns, and a phase timed right after the
+    floor's writes (up to 4x the output bytes) shares the disk with them."""
+    os.sync()
+    time.sleep(_SETTLE_S)
 
 
 def _read_file(path: Path, direct: bool) -> int:
@@ -157,6 +167,7 @@ def _io_floor(sources: list[Path], write_bytes: int, scratch: Path) -> dict[str,
 
     def both(direct: bool) -> float:
         _evict(sources)
+        _settle()
         started = time.perf_counter()
         writer = threading.Thread(target=write_all, args=(direct,))
         writer.start()
@@ -169,7 +180,9 @@ def _io_floor(sources: list[Path], write_bytes: int, scratch: Path) -> dict[str,
     alone: dict[str, float] = {}
     for direct in (False, True):
         _evict(sources)
+        _settle()
         alone[f"read_{'direct' if direct else 'plain'}_s"] = read_all(direct)
+        _settle()
         alone[f"write_{'direct' if direct else 'plain'}_s"] = write_all(direct)
         (scratch / "floor-write.bin").unlink()
     plain, direct = both(False), both(True)
@@ -274,6 +287,7 @@ def main(mla_counts: tuple[int, ...], filler_per_layer: int, device: str, fold_d
             runs, floors = [], []
             for _ in range(repeat):  # alternated, so that both see the same machine; the best of each
                 cold = _evict(sources)
+                _settle()
                 runs.append({**_convert_in_child(model_dir, out_dir, device, fold_dtype), "cold": cold})
                 shutil.rmtree(out_dir)
                 floors.append(_io_floor(sources, runs[-1]["bytes_written"], scratch))
