@@ -56,15 +56,16 @@ def open_direct(path: os.PathLike[str] | str, flags: int) -> int | None:
     try:
         return os.open(path, flags | _O_DIRECT)
     except OSError as exc:
-        if exc.errno in _UNSUPPORTED:
+        if refused(exc):
             return None
         raise
 
 
-def direct_reader(path: os.PathLike[str] | str, size: int, cached: bool) -> int | None:
+def direct_reader(path: os.PathLike[str] | str, size: int, cached: Callable[[], bool]) -> int | None:
     """A direct-I/O descriptor to stream ``path`` through, or None to read it the plain way: when
-    its bytes are ``cached`` already, it is small, or its filesystem has no direct I/O."""
-    if cached or size < _DIRECT_MIN_BYTES:
+    it is small, its bytes are ``cached()`` already (asked only of files large enough), or its
+    filesystem has no direct I/O."""
+    if size < _DIRECT_MIN_BYTES or cached():
         return None
     return open_direct(path, os.O_RDONLY)
 

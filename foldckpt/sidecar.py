@@ -45,16 +45,18 @@ class ShardWriter:
             self.layout[spec.name] = TensorInfo(spec.name, spec.dtype, spec.shape, cursor, cursor + spec.nbytes)
             cursor += spec.nbytes
         try:
-            if resume_offset >= len(header) and self.tmp.is_file() and self.tmp.stat().st_size >= resume_offset:
-                fd = os.open(self.tmp, os.O_RDWR)
-                os.ftruncate(fd, resume_offset)
-                kept = resume_offset
-            else:
-                fd, kept = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666), 0
-            self._fd: int | None = fd
-            self._out = DurableAppender(self.tmp, fd, kept, priority)
+            resume = resume_offset >= len(header) and self.tmp.is_file() and self.tmp.stat().st_size >= resume_offset
+            kept = resume_offset if resume else 0
+            fd = os.open(self.tmp, os.O_RDWR if resume else os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+            try:
+                os.ftruncate(fd, kept)
+                self._out = DurableAppender(self.tmp, fd, kept, priority)
+            except OSError:
+                os.close(fd)
+                raise
         except OSError as exc:
             raise os_error(self.tmp, exc, "writing") from None
+        self._fd: int | None = fd
         if self.offset == 0:
             self.append(header)
 
