@@ -59,24 +59,58 @@ class Run:
     max_rss_bytes: int
 
 
+# foldckpt runs as a grandchild, spawned by this small launcher, which reports its wait status and
+# peak RSS. A direct child would not do: at exec Linux folds the high-water mark of the address space
+# that spawned it into the child's ru_maxrss, so a child of a large pytest process would report its
+# parent's peak (a 13 MB child of a process that once held 1.5 GB reports 1.5 GB). Python ignores
+# SIGPIPE and SIGXFSZ at start-up, so the launcher restores their defaults for the command, as Popen does.
+_MEASURED_LAUNCH = """
+import os, signal, sys
+pid = os.posix_spawn(sys.executable, [sys.executable, "-m", "foldckpt", *sys.argv[2:]], os.environ,
+                     setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
+_, status, usage = os.wait4(pid, 0)
+os.write(int(sys.argv[1]), f"{status} {usage.ru_maxrss}".encode())
+"""
+
+
 def run_cli(*args: str | Path, preexec_fn: Callable[[], None] | None = None, timeout: float = 120) -> Run:
-    """The real command line in a subprocess, with that one child's peak resident memory; a run
-    that outlives ``timeout`` (a hang) is killed and fails the test."""
+    """The real command line in a subprocess, with its own peak resident memory; a run that outlives
+    ``timeout`` (a hang) is killed and fails the test. ``preexec_fn`` runs in the launcher, whose
+    limits and capabilities the command inherits."""
+    report_read, report_write = os.pipe()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "foldckpt", *map(str, args)], stdout=out, stderr=err, preexec_fn=preexec_fn
-        )
-        watchdog = threading.Timer(timeout, process.kill)
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", _MEASURED_LAUNCH, str(report_write), *map(str, args)],
+            stdout=out, stderr=err, preexec_fn=preexec_fn, pass_fds=(report_write,), start_new_session=True,
+        )  # fmt: skip
+        os.close(report_write)
+        watchdog = threading.Timer(timeout, os.killpg, (launcher.pid, signal.SIGKILL))
         watchdog.start()
         try:
-            _, status, usage = os.wait4(process.pid, 0)  # wait4: the rusage of this child alone
+            with os.fdopen(report_read, "rb") as report:
+                fields = report.read().split()
+            launcher.wait()
         finally:
             watchdog.cancel()
-        process.returncode = os.waitstatus_to_exitcode(status)
-        assert process.returncode != -signal.SIGKILL, f"foldckpt {args} ran past {timeout} s"
         out.seek(0)
         err.seek(0)
-        return Run(process.returncode, out.read().decode(), err.read().decode(), usage.ru_maxrss * 1024)
+        stdout, stderr = out.read().decode(), err.read().decode()
+    if not fields:
+        hung = launcher.returncode == -signal.SIGKILL
+        pytest.fail(f"foldckpt {args} ran past {timeout} s" if hung else f"the launcher failed: {stderr}")
+    status, max_rss_kib = map(int, fields)
+    return Run(os.waitstatus_to_exitcode(status), stdout, stderr, max_rss_kib * 1024)
+
+
+def test_peak_memory_is_the_command_s_own() -> None:
+    """The bound error_line checks must not inherit this process's peak: after holding more than the
+    bound here, a run that needs a few hundred MB must still measure below it."""
+    held = bytearray(MAX_RSS_BYTES + 256 * 1024**2)
+    held[:: resource.getpagesize()] = b"x" * len(range(0, len(held), resource.getpagesize()))
+    del held
+    run = run_cli("--help")
+    assert run.returncode == 0 and "convert" in run.stdout, run
+    assert 10 * 1024**2 < run.max_rss_bytes < MAX_RSS_BYTES // 2, f"{run.max_rss_bytes / 1e6:.0f} MB"
 
 
 def error_line(run: Run) -> str:
