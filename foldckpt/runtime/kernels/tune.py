@@ -367,6 +367,51 @@ class ShapeBench:
         return {**times, "q_b_proj_kernel": kernel}
 
 
+# Share of a search budget per bucket where the caller gives none: equal.
+EQUAL_SHARES = dict.fromkeys(BUCKETS, 1.0)
+
+
+def time_bucket(
+    weights: GemmWeights,
+    role: str,
+    m_max: int,
+    candidates: list[KernelConfig],
+    seed: KernelConfig | None,
+    deadline: float,
+    log: list[dict],
+    shares: dict[int, float] = EQUAL_SHARES,
+) -> tuple[KernelConfig, float]:
+    """The fastest of ``candidates`` for bucket ``m_max``, timed at M = ``m_max`` (each timing
+    appended to ``log``): (config, µs).
+
+    The candidates are tried in a fixed shuffled order, so a search cut short still samples the
+    whole grid, with ``seed`` (the base table's winner) first, so it never ends worse than the
+    last search; the bucket gets its share (``shares``) of the time left before ``deadline``
+    among the buckets from ``m_max`` on, and times at least one config.
+    """
+    ordered = list(candidates)
+    random.Random(m_max).shuffle(ordered)
+    if seed is not None:
+        ordered = [seed] + [c for c in ordered if c != seed]
+    later = [m for m in BUCKETS if m >= m_max]
+    bucket_deadline = time.monotonic() + (deadline - time.monotonic()) * shares[m_max] / sum(shares[m] for m in later)
+    best: tuple[KernelConfig, float] | None = None
+    timed = 0
+    for cfg in ordered:
+        if best is not None and time.monotonic() > bucket_deadline:
+            break
+        us, err = weights.time_triton(cfg, m_max)
+        timed += 1
+        log.append({"role": role, "n": weights.n, "m": m_max, **asdict(cfg), "us": us, "relerr": err})
+        if us < (best[1] if best is not None else float("inf")):
+            best = (cfg, us)
+    if best is None:
+        raise RuntimeError(f"{role} N={weights.n} M<={m_max}: none of {timed} configs ran")
+    print(f"  {role} N={weights.n} M<={m_max}: best {best[1]:.2f} us of {timed}/{len(ordered)} timed: {best[0]}",
+          flush=True)  # fmt: skip
+    return best
+
+
 def search(
     bench: ShapeBench,
     role: str,
@@ -375,16 +420,11 @@ def search(
     log: list[dict],
     seeds: dict[int, KernelConfig] | None = None,
 ) -> dict[int, tuple[KernelConfig, float]]:
-    """Best (config, µs) per bucket for one shape's fold (``role`` "fold") or q_b_proj GEMM, timed
-    at the bucket's largest M.
-
-    Each bucket gets an equal share of the time left before ``deadline`` and tries its
-    candidates in a fixed shuffled order, so a search cut short still samples the whole grid;
-    the bucket's ``seeds`` config (the base table's winner) goes first.
-    """
+    """Best (config, µs) per bucket for one shape's fold (``role`` "fold") or q_b_proj GEMM
+    (:func:`time_bucket`), then the winner with and without PDL and (the fold) the RoPE epilogue."""
     weights = bench.weights(role)
     best: dict[int, tuple[KernelConfig, float]] = {}
-    for b, m_max in enumerate(BUCKETS):
+    for m_max in BUCKETS:
         candidates = [
             cfg
             for block_m in bucket_block_ms(m_max)
@@ -392,32 +432,15 @@ def search(
             if base not in failed
             for cfg in launch_variants(base, weights.n, m_max, role)
         ]
-        random.Random(m_max).shuffle(candidates)
         seed = (seeds or {}).get(m_max)
-        if seed is not None:
-            # PDL and the RoPE epilogue are chosen for the winner below, whichever config wins.
-            seed = replace(seed, pdl=False, rope_epilogue=False)
-            candidates = [seed] + [c for c in candidates if c != seed]
-        bucket_deadline = time.monotonic() + (deadline - time.monotonic()) / (len(BUCKETS) - b)
-        timed = 0
-        for cfg in candidates:
-            if time.monotonic() > bucket_deadline and m_max in best:
-                break
-            us, err = weights.time_triton(cfg, m_max)
-            timed += 1
-            log.append({"role": role, "n": weights.n, "m": m_max, **asdict(cfg), "us": us, "relerr": err})
-            if us < best.get(m_max, (None, float("inf")))[1]:
-                best[m_max] = (cfg, us)
-        cfg, us = best[m_max]
+        # PDL and the RoPE epilogue are chosen for the winner below, whichever config wins.
+        seed = None if seed is None else replace(seed, pdl=False, rope_epilogue=False)
+        cfg, us = time_bucket(weights, role, m_max, candidates, seed, deadline, log)
         if pdl_supported():
-            cfg, us = best[m_max] = choose_pdl(weights, cfg, m_max, log)
+            cfg, us = choose_pdl(weights, cfg, m_max, log)
         if role == "fold":
             cfg = choose_rope_epilogue(bench, cfg, m_max, log)
         best[m_max] = (cfg, us)
-        print(
-            f"  {role} N={weights.n} M<={m_max}: best {us:.2f} us of {timed}/{len(candidates)} timed: {cfg}",
-            flush=True,
-        )
     return best
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import random
 import statistics
 import time
 import tomllib
@@ -64,6 +63,7 @@ from foldckpt.runtime.kernels.tune import (
     search_skinny,
     skinny_block_m,
     table_buckets,
+    time_bucket,
     toml_text,
     triton_unfolded_query,
 )
@@ -168,11 +168,10 @@ def _base_seed(base: dict | None, n: int) -> dict[int, KernelConfig]:
 def search(
     bench: Fp8Bench, failed: set, deadline: float, log: list[dict], seeds: dict[int, KernelConfig]
 ) -> dict[int, tuple[KernelConfig, float]]:
-    """Best (tiled config, µs) per bucket of the fp8 fold, timed at the bucket's largest M over
-    the candidates in a fixed shuffled order, the base table's winner first; each bucket gets
-    its BUCKET_SHARE of the time left (what one leaves rolls on)."""
+    """Best (tiled config, µs) per bucket of the fp8 fold (:func:`tune.time_bucket`), each bucket
+    with its BUCKET_SHARE of the time left; flags and RoPE are chosen for the winners later."""
     best: dict[int, tuple[KernelConfig, float]] = {}
-    for b, m_max in enumerate(BUCKETS):
+    for m_max in BUCKETS:
         candidates = [
             cfg
             for block_m in bucket_block_ms(m_max)
@@ -180,24 +179,9 @@ def search(
             if base not in failed
             for cfg in fp8_launch_variants(base, bench.n, m_max)
         ]
-        random.Random(m_max).shuffle(candidates)
         seed = seeds.get(m_max)
-        if seed is not None:
-            seed = replace(seed, pdl=False, rope_epilogue=False, mma_f16=True)
-            candidates = [seed] + [c for c in candidates if c != seed]
-        share = BUCKET_SHARE[m_max] / sum(BUCKET_SHARE[m] for m in BUCKETS[b:])
-        bucket_deadline = time.monotonic() + (deadline - time.monotonic()) * share
-        timed = 0
-        for cfg in candidates:
-            if time.monotonic() > bucket_deadline and m_max in best:
-                break
-            us, err = bench.fp8.time_triton(cfg, m_max)
-            timed += 1
-            log.append({"role": ROLE, "n": bench.n, "m": m_max, **asdict(cfg), "us": us, "relerr": err})
-            if us < best.get(m_max, (None, float("inf")))[1]:
-                best[m_max] = (cfg, us)
-        print(f"  fp8 N={bench.n} M<={m_max}: best {best[m_max][1]:.2f} us of {timed}/{len(candidates)}: "
-              f"{best[m_max][0]}", flush=True)  # fmt: skip
+        seed = None if seed is None else replace(seed, pdl=False, rope_epilogue=False, mma_f16=True)
+        best[m_max] = time_bucket(bench.fp8, ROLE, m_max, candidates, seed, deadline, log, BUCKET_SHARE)
     return best
 
 
