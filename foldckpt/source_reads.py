@@ -218,7 +218,7 @@ class SourceReads:
         try:
             with self.counters.timed("source_passes"):
                 background = self.priority.background_turn if self.priority and due is None else None
-                whole, ranges = hash_job(self.out_dir / name, job, progress, capture, background)
+                whole, ranges = hash_job(self.out_dir / name, job, progress, capture, background, bypass_cache=True)
         except _Abandoned:
             capture.give_up(None)
             return

@@ -3,6 +3,7 @@ ones whatever the alignment, and the page cache really is bypassed where the fil
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -93,25 +94,25 @@ def test_abandoning_a_direct_read_ends_its_reader_thread(data_file: tuple[Path, 
     assert not any(t.name == "foldckpt-direct-read" for t in threading.enumerate() if t.ident not in before)
 
 
-def test_hashing_an_uncached_file_bypasses_the_page_cache_and_a_cached_one_uses_it(
-    data_file: tuple[Path, bytes],
-) -> None:
+def test_hashing_an_uncached_file_bypasses_the_page_cache_only_when_asked(data_file: tuple[Path, bytes]) -> None:
+    """convert's passes (``bypass_cache``) read an uncached file directly and leave it uncached;
+    every other hashing (verify) reads it through the page cache, with prefetch; a cached file is
+    always read plainly."""
     path, data = data_file
     job = HashJob(path.name, len(data), True)
     job.add(100, 200, RangeCheck("t", None, None))
-    _evict(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert not in_page_cache(fd, len(data))
-        whole, ranges = hash_job(path, job)
-        assert not in_page_cache(fd, len(data))  # read directly: nothing was cached on the way
+        for bypass_cache in (True, False):
+            _evict(path)
+            assert not in_page_cache(fd, len(data))
+            whole, ranges = hash_job(path, job, bypass_cache=bypass_cache)
+            assert in_page_cache(fd, len(data)) != bypass_cache
+            assert whole == hashlib.sha256(data).hexdigest()
+            assert ranges[(100, 200)] == hashlib.sha256(data[100:200]).hexdigest()
         assert direct_reader(path, len(data), cached=lambda: True) is None  # cached files are read plainly
     finally:
         os.close(fd)
-    import hashlib
-
-    assert whole == hashlib.sha256(data).hexdigest()
-    assert ranges[(100, 200)] == hashlib.sha256(data[100:200]).hexdigest()
 
 
 def _appended(path: Path, start: bytes, parts: list[bytes]) -> DurableAppender:
