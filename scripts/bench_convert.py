@@ -268,7 +268,7 @@ def _projection(records: list[dict[str, Any]], sha_rate: float, copy_rate: float
               help="Bytes of non-attention shard per MLA layer.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--fold-dtype", default="bfloat16", show_default=True)
-@click.option("--repeat", type=int, default=2, show_default=True, help="Runs of convert and of the floor; the best of each.")
+@click.option("--repeat", type=int, default=3, show_default=True, help="Runs of convert and of the floor; the best of each.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("docs/bench/convert.json"), show_default=True)
 @click.option("--workdir", type=click.Path(path_type=Path), default=None, help="Scratch space (default: a temp dir).")
 def main(mla_counts: tuple[int, ...], filler_per_layer: int, device: str, fold_dtype: str, repeat: int, out: Path,
