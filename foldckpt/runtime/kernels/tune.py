@@ -440,6 +440,7 @@ def search(
             cfg, us = choose_pdl(weights, cfg, m_max, log)
         if role == "fold":
             cfg = choose_rope_epilogue(bench, cfg, m_max, log)
+        print(f"  {role} N={weights.n} M<={m_max}: {us:.2f} us with {cfg}", flush=True)
         best[m_max] = (cfg, us)
     return best
 
