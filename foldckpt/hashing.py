@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from foldckpt.direct_io import direct_reader, read_direct, refused
+from foldckpt.direct_io import BufferPool, direct_reader, read_direct, refused
 from foldckpt.files import HASH_BUFFER, os_error
 
 # The definition of a rank's digest, recorded in the manifest (``integrity``) for other readers.
@@ -105,12 +105,12 @@ class RangeCheck:
 
 class Capture(Protocol):
     """What a pass over a file does with the ranges it hashes besides digesting them: ``begin``
-    returns a buffer to copy the range's bytes into (or None), ``end`` receives the range's digest
-    and that buffer once its last byte went by (possibly long before the file's end)."""
+    returns a buffer of the range's size to copy its bytes into (or None), ``end`` receives the
+    range's digest and that buffer once its last byte went by (possibly long before the file's end)."""
 
-    def begin(self, bound: tuple[int, int]) -> bytearray | None: ...
+    def begin(self, bound: tuple[int, int]) -> memoryview | None: ...
 
-    def end(self, bound: tuple[int, int], sha256: str, data: bytearray | None) -> None: ...
+    def end(self, bound: tuple[int, int], sha256: str, data: memoryview | None) -> None: ...
 
 
 @dataclass
@@ -205,16 +205,18 @@ def chunks(
     segments: list[tuple[int, int]],
     direct: int | None = None,
     before_transfer: Callable[[], None] | None = None,
+    pool: BufferPool | None = None,
 ) -> Iterator[tuple[int, memoryview]]:
     """``(offset, bytes)`` of ``segments`` (clipped to ``size``) in ``HASH_BUFFER`` steps, each valid
     until the next: read through ``direct`` (a direct-I/O descriptor of the same file, see
     :mod:`foldckpt.direct_io`) when given and the filesystem takes its transfers, else from
     ``handle`` into one fixed buffer with ``preadv``, the next ``_PREFETCH`` bytes asked ahead;
-    ``before_transfer`` runs before each read (a background pass waiting for its turn)."""
+    ``before_transfer`` runs before each read (a background pass waiting for its turn); ``pool``
+    lends the direct reads their buffers."""
     if direct is not None:
         started = False
         try:
-            for item in read_direct(direct, size, segments, HASH_BUFFER, before_transfer):
+            for item in read_direct(direct, size, segments, HASH_BUFFER, before_transfer, pool):
                 started = True
                 yield item
             return
@@ -263,6 +265,7 @@ def hash_job(
     capture: Capture | None = None,
     before_transfer: Callable[[], None] | None = None,
     bypass_cache: bool = False,
+    pool: BufferPool | None = None,
 ) -> tuple[str | None, dict[tuple[int, int], str]]:
     """Read the job's segments once, feeding the whole-file digest and every overlapping range digest
     (a range is fed chunk by chunk, right after the whole-file digest, while the bytes are in cache),
@@ -273,16 +276,17 @@ def hash_job(
     caller whose cores are needed by other work (convert's fold): the page cache's copies cost
     1.1-1.5 core-s per GB there, direct reads 0.13-0.15. Otherwise plain reads with prefetch,
     which keep more of the disk busy: ``verify --level content`` of a 16-layer conversion (8.8 GB,
-    cold, 2 cores) took 9.5-10.9 s plain and 13.9-15.8 s direct, alternated."""
+    cold, 2 cores) took 9.5-10.9 s plain and 13.9-15.8 s direct, alternated. ``pool`` lends the
+    direct reads their buffers (one pool for a run's passes: no fresh buffer per file)."""
     whole = hashlib.sha256() if job.whole else None
     bounds = sorted(job.ranges)
     digests = {bound: hashlib.sha256() for bound in bounds}
-    buffers: dict[tuple[int, int], bytearray | None] = {}
+    buffers: dict[tuple[int, int], memoryview | None] = {}
     pending, active = 0, []  # bounds sorted by start; active = started and not finished
     try:
         with open(path, "rb", buffering=0) as handle, _direct_reads(path, handle, bypass_cache) as (size, direct):
             segments = [(0, size)] if whole is not None else job.segments()
-            for pos, chunk in chunks(handle, size, segments, direct, before_transfer):
+            for pos, chunk in chunks(handle, size, segments, direct, before_transfer, pool):
                 chunk_end = pos + len(chunk)
                 if whole is not None:
                     whole.update(chunk)

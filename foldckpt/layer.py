@@ -41,7 +41,7 @@ class LayerInputs:
 
 
 # (file, header info) -> the tensor's bytes and their sha256.
-Fetch = Callable[[str, TensorInfo], tuple[bytearray, str]]
+Fetch = Callable[[str, TensorInfo], tuple[bytearray | memoryview, str]]
 
 
 def reader(directory: Path) -> Fetch:

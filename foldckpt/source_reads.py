@@ -7,7 +7,9 @@ files: the pass that hashes a file copies them out as it goes by, and digests ea
 manifest's per-tensor provenance) from the same bytes, so no source byte is read twice and the
 fold of a layer starts as soon as the pass has gone past its inputs, long before the file's end.
 
-Memory stays a few layers' inputs whatever the layout: a pass over a file that feeds the fold
+Memory stays a few layers' inputs whatever the layout, in buffers reused from layer to layer
+(:class:`~foldckpt.direct_io.BufferPool`; the fold is done with a layer's inputs once it takes the
+next layer's): a pass over a file that feeds the fold
 starts only once the fold is within ``LOOKAHEAD_LAYERS`` of the first layer it feeds (it waits
 before it has copied anything, and files are started in the order of the layers they feed, so the
 file the fold needs next is never queued behind a waiting one); files that feed no layer are
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from foldckpt.direct_io import DiskPriority
+from foldckpt.direct_io import BufferPool, DiskPriority
 from foldckpt.errors import FoldckptError
 from foldckpt.hashing import HashJob, RangeCheck, hash_job
 from foldckpt.manifest import FileRecord
@@ -55,7 +57,7 @@ class _Slot:
     """One fold input in a file being hashed: filled (or given up) once the pass went past it."""
 
     ready: threading.Event = field(default_factory=threading.Event)
-    data: bytearray | None = None
+    data: memoryview | None = None
     sha256: str | None = None
     error: BaseException | None = None
 
@@ -147,6 +149,9 @@ class SourceReads:
         self._position = 0  # the layer the fold is at (fold order)
         self._moved = threading.Condition()
         self._slots = {key: _Slot() for key in inputs if key[0] in files and key in wanted}
+        # The passes' read buffers and the copied inputs; the inputs handed over: (position, buffer).
+        self.pool = BufferPool()
+        self._lent: list[tuple[int, memoryview]] = []
         self._futures: list[Future[None]] = []
 
     def start(self, feeding: Executor, others: Executor) -> None:
@@ -168,15 +173,20 @@ class SourceReads:
 
     # -- the fold's side ------------------------------------------------------------------------
 
-    def take(self, file: str, info: TensorInfo) -> tuple[bytearray, str]:
+    def take(self, file: str, info: TensorInfo) -> tuple[bytearray | memoryview, str]:
         """The bytes of one fold input and their sha256: handed over by the pass over ``file`` (once
         it went past them), or read here when that pass did not copy them or ``file`` is not hashed
-        in this run."""
+        in this run. The fold takes its layers in order, one at a time: taking a layer's first input
+        tells that the fold is done with the inputs of the layers before it, whose buffers go back
+        to the pool then (so the bytes handed over stay valid until the next layer's first take)."""
         position = self.wanted.get((file, info.name))
         if position is not None and position > self._position:
             with self._moved:
                 self._position = position
                 self._moved.notify_all()
+            for buffer in [buffer for taken, buffer in self._lent if taken < position]:
+                self.pool.put(buffer)
+            self._lent = [(taken, buffer) for taken, buffer in self._lent if taken >= position]
         slot = self._slots.get((file, info.name))
         if slot is not None:
             with self.counters.timed("fold_waiting_for_inputs"):
@@ -186,7 +196,8 @@ class SourceReads:
                 raise slot.error
             if slot.data is not None:
                 with self._lock:
-                    self._held -= len(slot.data)
+                    self._held -= slot.data.nbytes
+                self._lent.append((self.wanted[(file, info.name)], slot.data))
                 return slot.data, str(slot.sha256)
         data = read_tensor_bytes(self.out_dir / file, info)
         self.counters.add(read=len(data), hashed=len(data), reread=len(data) if slot is not None else 0)
@@ -218,7 +229,9 @@ class SourceReads:
         try:
             with self.counters.timed("source_passes"):
                 background = self.priority.background_turn if self.priority and due is None else None
-                whole, ranges = hash_job(self.out_dir / name, job, progress, capture, background, bypass_cache=True)
+                whole, ranges = hash_job(
+                    self.out_dir / name, job, progress, capture, background, bypass_cache=True, pool=self.pool
+                )
         except _Abandoned:
             capture.give_up(None)
             return
@@ -255,7 +268,7 @@ class _Capture:
         self.by_bound = by_bound
         self.reserved: dict[tuple[int, int], int] = {}
 
-    def begin(self, bound: tuple[int, int]) -> bytearray | None:
+    def begin(self, bound: tuple[int, int]) -> memoryview | None:
         reads, key = self.reads, self.by_bound[bound]
         if key not in reads._slots:
             return None
@@ -264,9 +277,9 @@ class _Capture:
                 return None
             reads._held += bound[1] - bound[0]
         self.reserved[bound] = bound[1] - bound[0]
-        return bytearray(bound[1] - bound[0])
+        return self.reads.pool.get(bound[1] - bound[0])
 
-    def end(self, bound: tuple[int, int], sha256: str, data: bytearray | None) -> None:
+    def end(self, bound: tuple[int, int], sha256: str, data: memoryview | None) -> None:
         slot = self.reads._slots.get(self.by_bound[bound])
         if slot is None or slot.ready.is_set():
             return

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from foldckpt.direct_io import ALIGN, DIRECT_CHUNK, DiskPriority, DurableAppender, direct_reader, open_direct, read_direct
+from foldckpt.direct_io import (
+    ALIGN, DIRECT_CHUNK, BufferPool, DiskPriority, DurableAppender, direct_reader, open_direct, read_direct,
+)  # fmt: skip
 from foldckpt.hashing import HashJob, RangeCheck, hash_job, in_page_cache
 
 PIECE = 1 << 20
@@ -92,6 +94,36 @@ def test_abandoning_a_direct_read_ends_its_reader_thread(data_file: tuple[Path, 
     reads.close()
     os.close(fd)
     assert not any(t.name == "foldckpt-direct-read" for t in threading.enumerate() if t.ident not in before)
+
+
+def test_direct_reads_take_their_buffers_from_the_pool_and_give_them_back(data_file: tuple[Path, bytes]) -> None:
+    """One pool serves a run's passes: a second read reuses the first one's buffers, and a buffer
+    that comes back holding other bytes is refilled, never read from."""
+    path, data = data_file
+    pool = BufferPool()
+    fd = open_direct(path, os.O_RDONLY)
+    assert fd is not None
+    try:
+        first = b"".join(bytes(chunk) for _, chunk in read_direct(fd, len(data), [(0, len(data))], PIECE, pool=pool))
+        kept = [pool.get(DIRECT_CHUNK), pool.get(DIRECT_CHUNK)]
+        for buffer in kept:
+            buffer[:] = b"\xff" * buffer.nbytes  # what a reused buffer may hold
+            pool.put(buffer)
+        again = [(pos, bytes(chunk)) for pos, chunk in read_direct(fd, len(data), [(7, len(data) - 3)], PIECE, pool=pool)]
+    finally:
+        os.close(fd)
+    assert first == data and b"".join(chunk for _, chunk in again) == data[7:-3]
+    back = {id(pool.get(DIRECT_CHUNK)), id(pool.get(DIRECT_CHUNK))}
+    assert back == {id(buffer) for buffer in kept}  # the same two buffers, given back again
+
+
+def test_a_pool_reuses_a_buffer_only_for_its_own_size() -> None:
+    pool = BufferPool()
+    small, large = pool.get(ALIGN), pool.get(3 * ALIGN)
+    assert (small.nbytes, large.nbytes) == (ALIGN, 3 * ALIGN)
+    pool.put(large)
+    assert pool.get(ALIGN) is not large and pool.get(3 * ALIGN) is large
+    assert pool.get(0).nbytes == 0  # an empty tensor's buffer
 
 
 def test_hashing_an_uncached_file_bypasses_the_page_cache_only_when_asked(data_file: tuple[Path, bytes]) -> None:

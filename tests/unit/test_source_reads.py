@@ -67,6 +67,27 @@ def test_every_input_is_handed_over_with_its_digest_and_every_file_hashed_once(p
     assert reads._held == 0  # every copy handed over and released
 
 
+def test_a_layer_s_buffers_go_back_to_the_pool_once_the_fold_takes_the_next_layer(plan: ConversionPlan) -> None:
+    """The fold is done with a layer's inputs when it takes the next layer's: only then may their
+    buffers be filled again (earlier, a pass would overwrite inputs the fold still reads)."""
+    reads, _, _ = _reads(plan, 1 << 30)
+    model = plan.source.model_dir
+    first, second = (list(layer.input_tensors()) for layer in plan.layers[:2])
+    with ThreadPoolExecutor(4) as pool:
+        reads.start(pool, pool)
+        reads.wait()  # every pass may start at once here: every input is copied, none taken
+        taken = [reads.take(file, info)[0] for file, info in first]
+        assert all(isinstance(data, memoryview) for data in taken)
+        lent = {id(data) for data in taken}
+        assert not {id(reads.pool.get(data.nbytes)) for data in taken} & lent  # still the fold's
+        assert [bytes(data) for data in taken] == [bytes(read_tensor_bytes(model / f, i)) for f, i in first]
+        file, info = second[0]
+        data, _ = reads.take(file, info)
+        assert bytes(data) == bytes(read_tensor_bytes(model / file, info))
+        assert {id(reads.pool.get(data.nbytes)) for data in taken} == lent  # back in the pool
+        assert id(data) not in lent
+
+
 def test_a_budget_smaller_than_a_tensor_copies_nothing_and_never_blocks_a_started_pass(plan: ConversionPlan) -> None:
     """Nobody takes anything: every pass allowed to start must still run to its end."""
     smallest = min(info.nbytes for info in _inputs(plan).values())
