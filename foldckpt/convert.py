@@ -8,6 +8,7 @@ an uninterrupted one; the manifest is written last and its presence means "finis
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -18,7 +19,8 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -484,7 +486,8 @@ def _hash_and_fold(
         priority = DiskPriority()
         reads = _source_reads(plan, out_dir, journal, todo, counters, hash_bar, priority)
         reads.start(feeding_pool, other_pool)
-        from foldckpt.layer import FoldBuffers  # torch: only once there is something to fold
+        with _collector_paused():  # torch: only once there is something to fold
+            from foldckpt.layer import FoldBuffers
 
         buffers = FoldBuffers()
         try:
@@ -501,6 +504,20 @@ def _hash_and_fold(
             reads.stop()
             raise
     return folded
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off (if it was on) while torch is imported: the import makes
+    some 170k objects and no garbage, and the collections they trigger cost 8% of it (1.69-1.79 s
+    against 1.54-1.71 s on this project's 2-core VM), on the path to the first fold."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _write_shard(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -188,3 +189,16 @@ def test_device_cuda_without_a_gpu_is_one_line_exit_2_and_auto_folds_on_the_cpu(
     assert not (tmp_path / "out").exists()  # refused before OUT_DIR is touched
     result = convert(model, tmp_path / "auto", ConvertOptions(progress=False, device="auto"))
     assert result.fold_device == "cpu" and read_manifest(tmp_path / "auto").parameters["fold_device"] == "cpu"
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["collector-on", "collector-off"])
+def test_convert_leaves_the_garbage_collector_as_it_found_it(tmp_path: Path, enabled: bool) -> None:
+    """convert pauses the collector while torch is imported: a library call must not leave it off,
+    nor turn on a collector its caller turned off."""
+    model = make_checkpoint(tmp_path / "model", "deepseek_v3")
+    (gc.enable if enabled else gc.disable)()
+    try:
+        convert(model, tmp_path / "out", QUIET)
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable()
