@@ -298,6 +298,9 @@ def main(mla_counts: tuple[int, ...], filler_per_layer: int, device: str, fold_d
             result["all_wall_s"] = [run["wall_s"] for run in runs]
             result["all_io_floor_s"] = [floor["io_floor_s"] for floor in floors]
             result["wall_over_floor"] = result["wall_s"] / result["io_floor_s"]
+            # each conversion against the floor measured right after it: on a VM whose speed drifts
+            # over minutes, neighbours saw the same machine
+            result["paired_wall_over_floor"] = [run["wall_s"] / floor["io_floor_s"] for run, floor in zip(runs, floors)]
             records.append(result)
             click.echo(f"{result['layers']:>3} MLA layers  {source_bytes / 1e9:6.2f} GB read  "
                        f"{written / 1e9:5.2f} GB written  wall {result['wall_s']:6.1f} s  floor "
