@@ -9,13 +9,13 @@ fold of a layer starts as soon as the pass has gone past its inputs, long before
 
 Memory stays a few layers' inputs whatever the layout, in buffers reused from layer to layer
 (:class:`~foldckpt.direct_io.BufferPool`; the fold is done with a layer's inputs once it takes the
-next layer's): a pass over a file that feeds the fold
-starts only once the fold is within ``LOOKAHEAD_LAYERS`` of the first layer it feeds (it waits
-before it has copied anything, and files are started in the order of the layers they feed, so the
-file the fold needs next is never queued behind a waiting one); files that feed no layer are
-hashed by threads of their own meanwhile. Copies are also bounded by a byte budget, and a pass
-never waits for the fold once it has started: where a copy would exceed the budget it is not made,
-and the fold reads that tensor itself (``IOCounters.reread`` counts it).
+next layer's): a pass over a file that feeds the fold starts only once the fold is within
+``LOOKAHEAD_LAYERS`` of the first layer it feeds (it waits before it has copied anything, and files
+are started in the order of the layers they feed, so the file the fold needs next is never queued
+behind a waiting one); files that feed no layer are hashed by threads of their own meanwhile.
+Copies are also bounded by a byte budget, and a pass never waits for the fold once it has started:
+where a copy would exceed the budget it is not made, and the fold reads that tensor itself
+(``IOCounters.reread`` counts it).
 
 On a resumed run, the folds journaled by the earlier run record the sha256 of each input they were
 made from; the pass checks those digests too, so a source that changed between the two runs is
