@@ -236,6 +236,20 @@ def test_help_inspect_dry_run_and_verify_up_to_content_never_import_torch(
     assert deep.returncode == 3 and "torch was imported" in deep.stderr
 
 
+def test_every_ending_freezes_the_collector_before_the_interpreter_s_teardown(kimi_out: tuple[Path, Run]) -> None:
+    """After a command that imported torch, the teardown's collections of its objects took most of a
+    second; frozen, they are skipped. Checked from an atexit hook, which runs before them, for a
+    command that succeeds and one that fails."""
+    out, _ = kimi_out
+    code = ("import atexit, gc, sys; atexit.register(lambda: print('frozen', gc.get_freeze_count(), file=sys.stderr)); "
+            "from foldckpt.cli import main; main(sys.argv[1:])")  # fmt: skip
+    for args, expected in ((["verify", str(out), "--deep", "-q"], 0), (["verify", str(out / "nothing")], 2)):
+        run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert run.returncode == expected, run.stderr
+        frozen = int(re.search(r"^frozen (\d+)$", run.stderr, re.M).group(1))
+        assert frozen > (100_000 if expected == 0 else 0), run.stderr  # torch's objects among them
+
+
 # ---------------------------------------------------------------------------------------------
 # what happened
 
