@@ -149,9 +149,9 @@ class SourceReads:
         self._position = 0  # the layer the fold is at (fold order)
         self._moved = threading.Condition()
         self._slots = {key: _Slot() for key in inputs if key[0] in files and key in wanted}
-        # The passes' read buffers and the copied inputs; the inputs handed over: (position, buffer).
+        # The passes' read buffers and the copied inputs; the inputs handed over for the fold's layer.
         self.pool = BufferPool()
-        self._lent: list[tuple[int, memoryview]] = []
+        self._lent: list[memoryview] = []
         self._futures: list[Future[None]] = []
 
     def start(self, feeding: Executor, others: Executor) -> None:
@@ -184,9 +184,9 @@ class SourceReads:
             with self._moved:
                 self._position = position
                 self._moved.notify_all()
-            for buffer in [buffer for taken, buffer in self._lent if taken < position]:
+            for buffer in self._lent:
                 self.pool.put(buffer)
-            self._lent = [(taken, buffer) for taken, buffer in self._lent if taken >= position]
+            self._lent.clear()
         slot = self._slots.get((file, info.name))
         if slot is not None:
             with self.counters.timed("fold_waiting_for_inputs"):
@@ -197,7 +197,7 @@ class SourceReads:
             if slot.data is not None:
                 with self._lock:
                     self._held -= slot.data.nbytes
-                self._lent.append((self.wanted[(file, info.name)], slot.data))
+                self._lent.append(slot.data)
                 return slot.data, str(slot.sha256)
         data = read_tensor_bytes(self.out_dir / file, info)
         self.counters.add(read=len(data), hashed=len(data), reread=len(data) if slot is not None else 0)
