@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 from collections.abc import Callable
+from types import FrameType
 from pathlib import Path
 
 import pytest
@@ -191,10 +193,40 @@ def test_device_cuda_without_a_gpu_is_one_line_exit_2_and_auto_folds_on_the_cpu(
     assert result.fold_device == "cpu" and read_manifest(tmp_path / "auto").parameters["fold_device"] == "cpu"
 
 
+def _inside(frame: FrameType | None, function: str) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_no_garbage_collection_runs_while_the_layers_are_folded(tmp_path: Path) -> None:
+    """The folds are a conversion's critical path, and once torch is imported a collection walks its
+    ~250k objects holding the GIL. With a collection due at every allocation, some run before and
+    after the folds, none while any thread is inside one."""
+    model = make_checkpoint(tmp_path / "model", "deepseek_v3", layers=4)
+    during: list[bool] = []
+
+    def watch(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            during.append(any(_inside(frame, "_write_shard") for frame in sys._current_frames().values()))
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(watch)
+    gc.set_threshold(1)
+    try:
+        convert(model, tmp_path / "out", QUIET)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(watch)
+    assert during and not any(during), f"{sum(during)} of {len(during)} collections ran while folding"
+
+
 @pytest.mark.parametrize("enabled", [True, False], ids=["collector-on", "collector-off"])
 def test_convert_leaves_the_garbage_collector_as_it_found_it(tmp_path: Path, enabled: bool) -> None:
-    """convert pauses the collector while torch is imported: a library call must not leave it off,
-    nor turn on a collector its caller turned off."""
+    """convert pauses the collector while it imports torch and folds: a library call must not leave
+    it off, nor turn on a collector its caller turned off."""
     model = make_checkpoint(tmp_path / "model", "deepseek_v3")
     (gc.enable if enabled else gc.disable)()
     try:
