@@ -270,9 +270,12 @@ def _projection(records: list[dict[str, Any]], sha_rate: float, copy_rate: float
 @click.option("--fold-dtype", default="bfloat16", show_default=True)
 @click.option("--repeat", type=int, default=3, show_default=True, help="Runs of convert and of the floor; the best of each.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("docs/bench/convert.json"), show_default=True)
-@click.option("--workdir", type=click.Path(path_type=Path), default=None, help="Scratch space (default: a temp dir).")
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Scratch space, made if missing (default: the system temp dir).")
 def main(mla_counts: tuple[int, ...], filler_per_layer: int, device: str, fold_dtype: str, repeat: int, out: Path,
          workdir: Path | None) -> None:  # fmt: skip
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="foldckpt-bench-", dir=workdir))
     records = []
     try:
