@@ -28,7 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 from foldckpt.checkpoint import INDEX_NAME, stays_inside
 from foldckpt.consistency import heads_intact, sidecar_intact
-from foldckpt.defaults import ACCUMULATION_DTYPE, DEFAULT_FOLD_DEVICE, DEFAULT_FOLD_DTYPE, resolve_fold_device
+from foldckpt.defaults import (
+    ACCUMULATION_DTYPE,
+    DEFAULT_FOLD_DEVICE,
+    DEFAULT_FOLD_DTYPE,
+    require_fold_device,
+    resolve_fold_device,
+)
 from foldckpt.direct_io import DiskPriority
 from foldckpt.errors import FoldckptError
 from foldckpt.files import (
@@ -490,6 +496,7 @@ def _hash_and_fold(
             with _collector_paused():
                 from foldckpt.layer import FoldBuffers  # torch: only once there is something to fold
 
+                require_fold_device(device)
                 buffers = FoldBuffers()
                 for shard in plan.shards:
                     if journal.shard(shard.name).done and (out_dir / shard.name).exists():

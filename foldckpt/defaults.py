@@ -6,6 +6,7 @@ Convert, verify, inspect and the serving loader all read these; the conversion p
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -44,20 +45,51 @@ FOLD_DEVICES = ("cpu", "cuda", "auto")
 DEFAULT_FOLD_DEVICE = "cpu"
 
 
+# The device files through which torch reaches a GPU: NVIDIA's driver (its control file, there
+# whichever GPUs a container was given) and AMD's (ROCm, which torch also calls "cuda"). A machine
+# with neither has no GPU torch could use.
+GPU_DEVICE_FILES: tuple[str, ...] = ("/dev/nvidiactl", "/dev/kfd")
+
+
 def resolve_fold_device(name: str) -> str:
-    """``cpu`` or ``cuda`` for a ``--device`` choice (``auto``: a GPU when torch sees one)."""
+    """``cpu`` or ``cuda`` for a ``--device`` choice (``auto``: a GPU when torch sees one).
+
+    ``cuda`` is refused here only where the machine has no GPU device file; where it has one,
+    :func:`require_fold_device` confirms it once the fold imports torch. Why: torch's import takes
+    2-5 s, and convert hashes the sources meanwhile instead of waiting for it (``auto`` must know
+    the answer before the run starts, so it imports torch here on a machine with a GPU)."""
     from foldckpt.errors import FoldckptError
 
     if name not in FOLD_DEVICES:
         raise FoldckptError(f"--device {name!r}: choose one of {', '.join(FOLD_DEVICES)}")
     if name == "cpu":
         return "cpu"
+    has_gpu = any(os.path.exists(path) for path in GPU_DEVICE_FILES)
+    if name == "cuda":
+        if not has_gpu:
+            raise FoldckptError(
+                f"--device cuda: this machine has no GPU (no {' or '.join(GPU_DEVICE_FILES)}); use --device cpu or auto"
+            )
+        return "cuda"
+    if not has_gpu:
+        return "cpu"
     import torch
 
-    if torch.cuda.is_available():
-        return "cuda"
-    if name == "auto":
-        return "cpu"
-    raise FoldckptError(
-        "--device cuda: torch sees no GPU (torch.cuda.is_available() is False); use --device cpu or auto"
-    )
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def require_fold_device(device: str) -> None:
+    """Refuse to fold on ``cuda`` where torch sees no GPU (a CPU build of torch, a driver it
+    cannot use, no device visible), although :func:`resolve_fold_device` found a device file."""
+    from foldckpt.errors import FoldckptError
+
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise FoldckptError(
+            f"--device cuda: torch sees no GPU (torch.cuda.is_available() is False; torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}, ROCm {torch.version.hip}); nothing was folded: rerun with --device cpu or "
+            "auto, and --restart"
+        )

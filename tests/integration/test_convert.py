@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -13,8 +14,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from foldckpt import defaults
 from foldckpt.checkpoint import INDEX_NAME
 from foldckpt.convert import ConvertOptions, convert
+from foldckpt.errors import FoldckptError
 from foldckpt.fold import ROUNDING_TOLERANCE, dequantize_fp8_blocks
 from foldckpt.geometry import read_geometry
 from foldckpt.manifest import MANIFEST_NAME, read_manifest
@@ -184,13 +187,34 @@ def test_convert_reads_every_source_byte_once_and_hashes_every_fold_byte_once(tm
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
-def test_device_cuda_without_a_gpu_is_one_line_exit_2_and_auto_folds_on_the_cpu(tmp_path: Path) -> None:
+@pytest.mark.skipif(any(map(os.path.exists, defaults.GPU_DEVICE_FILES)), reason="this machine has GPU device files")
+def test_device_cuda_on_a_machine_without_a_gpu_is_one_line_exit_2_and_auto_folds_on_the_cpu(tmp_path: Path) -> None:
     model = make_checkpoint(tmp_path / "model", "deepseek_v3")
     run = run_foldckpt("convert", model, tmp_path / "out", "--device", "cuda")
-    assert run.returncode == 2 and "--device cuda: torch sees no GPU" in run.stderr, run.stderr
+    assert run.returncode == 2 and "--device cuda: this machine has no GPU (no /dev/nvidiactl" in run.stderr, run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()  # refused before OUT_DIR is touched
     result = convert(model, tmp_path / "auto", ConvertOptions(progress=False, device="auto"))
     assert result.fold_device == "cpu" and read_manifest(tmp_path / "auto").parameters["fold_device"] == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU here")
+def test_device_cuda_where_torch_sees_no_gpu_is_refused_before_any_fold_and_auto_folds_on_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU device file but no GPU for torch (a CPU build of torch on a GPU host): --device cuda
+    is confirmed once torch is imported, while the sources are hashed, so it fails then, with
+    nothing folded; auto asks torch up front and folds on the CPU."""
+    device_file = tmp_path / "nvidiactl"
+    device_file.touch()
+    monkeypatch.setattr(defaults, "GPU_DEVICE_FILES", (str(device_file),))
+    model = make_checkpoint(tmp_path / "model", "deepseek_v3")
+    with pytest.raises(FoldckptError, match=r"--device cuda: torch sees no GPU \(torch.cuda.is_available\(\) is False"):
+        convert(model, tmp_path / "out", ConvertOptions(progress=False, device="cuda"))
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()
+    assert not list((tmp_path / "out").glob("foldckpt-*.safetensors"))
+    result = convert(model, tmp_path / "out", ConvertOptions(progress=False, device="auto", restart=True))
+    assert result.fold_device == "cpu" and result.layers_folded == len(plan_conversion(model).layers)
 
 
 def _inside(frame: FrameType | None, function: str) -> bool:
