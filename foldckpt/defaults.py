@@ -45,42 +45,40 @@ FOLD_DEVICES = ("cpu", "cuda", "auto")
 DEFAULT_FOLD_DEVICE = "cpu"
 
 
-# The device files through which torch reaches a GPU: NVIDIA's driver (its control file, there
-# whichever GPUs a container was given) and AMD's (ROCm, which torch also calls "cuda"). A machine
-# with neither has no GPU torch could use.
-GPU_DEVICE_FILES: tuple[str, ...] = ("/dev/nvidiactl", "/dev/kfd")
+# Device files through which torch reaches a GPU: NVIDIA's driver (its control file, there
+# whichever GPUs a container was given), AMD's (ROCm, which torch also calls "cuda") and WSL2's.
+GPU_DEVICE_FILES: tuple[str, ...] = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
 
 
 def resolve_fold_device(name: str) -> str:
     """``cpu`` or ``cuda`` for a ``--device`` choice (``auto``: a GPU when torch sees one).
 
-    ``cuda`` is refused here only where the machine has no GPU device file; where it has one,
-    :func:`require_fold_device` confirms it once the fold imports torch. Why: torch's import takes
-    2-5 s, and convert hashes the sources meanwhile instead of waiting for it (``auto`` must know
-    the answer before the run starts, so it imports torch here on a machine with a GPU)."""
+    ``cuda`` on a machine with a GPU device file is taken as it is, and confirmed by
+    :func:`require_fold_device` once the fold imports torch. Why: torch's import takes 2-5 s, and
+    convert hashes the sources meanwhile instead of waiting for it. Elsewhere, and for ``auto``
+    (whose answer the run needs before it starts), torch is asked here."""
     from foldckpt.errors import FoldckptError
 
     if name not in FOLD_DEVICES:
         raise FoldckptError(f"--device {name!r}: choose one of {', '.join(FOLD_DEVICES)}")
     if name == "cpu":
         return "cpu"
-    has_gpu = any(os.path.exists(path) for path in GPU_DEVICE_FILES)
-    if name == "cuda":
-        if not has_gpu:
-            raise FoldckptError(
-                f"--device cuda: this machine has no GPU (no {' or '.join(GPU_DEVICE_FILES)}); use --device cpu or auto"
-            )
+    if name == "cuda" and any(os.path.exists(path) for path in GPU_DEVICE_FILES):
         return "cuda"
-    if not has_gpu:
-        return "cpu"
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if name == "auto":
+        return "cpu"
+    raise FoldckptError(
+        "--device cuda: torch sees no GPU (torch.cuda.is_available() is False); use --device cpu or auto"
+    )
 
 
 def require_fold_device(device: str) -> None:
-    """Refuse to fold on ``cuda`` where torch sees no GPU (a CPU build of torch, a driver it
-    cannot use, no device visible), although :func:`resolve_fold_device` found a device file."""
+    """Refuse to fold on ``cuda`` where torch sees no GPU although :func:`resolve_fold_device` found
+    a device file (a CPU build of torch, a driver it cannot use, no GPU visible to this process)."""
     from foldckpt.errors import FoldckptError
 
     if device != "cuda":
