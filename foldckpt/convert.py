@@ -496,7 +496,7 @@ def _hash_and_fold(
             with _collector_paused():
                 from foldckpt.layer import FoldBuffers  # torch: only once there is something to fold
 
-                require_fold_device(device)
+                require_fold_device(device, "nothing was folded: rerun with --device cpu or auto, and --restart")
                 buffers = FoldBuffers()
                 for shard in plan.shards:
                     if journal.shard(shard.name).done and (out_dir / shard.name).exists():

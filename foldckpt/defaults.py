@@ -63,22 +63,18 @@ def resolve_fold_device(name: str) -> str:
         raise FoldckptError(f"--device {name!r}: choose one of {', '.join(FOLD_DEVICES)}")
     if name == "cpu":
         return "cpu"
-    if name == "cuda" and any(os.path.exists(path) for path in GPU_DEVICE_FILES):
+    if name == "cuda":
+        if not any(os.path.exists(path) for path in GPU_DEVICE_FILES):
+            require_fold_device("cuda")  # no device file: ask torch now, before the run starts
         return "cuda"
     import torch
 
-    if torch.cuda.is_available():
-        return "cuda"
-    if name == "auto":
-        return "cpu"
-    raise FoldckptError(
-        "--device cuda: torch sees no GPU (torch.cuda.is_available() is False); use --device cpu or auto"
-    )
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def require_fold_device(device: str) -> None:
-    """Refuse to fold on ``cuda`` where torch sees no GPU although :func:`resolve_fold_device` found
-    a device file (a CPU build of torch, a driver it cannot use, no GPU visible to this process)."""
+def require_fold_device(device: str, advice: str = "use --device cpu or auto") -> None:
+    """Refuse to fold on ``cuda`` where torch sees no GPU (a CPU build of torch, a driver it cannot
+    use, no GPU visible to this process); ``advice`` ends the message."""
     from foldckpt.errors import FoldckptError
 
     if device != "cuda":
@@ -88,6 +84,5 @@ def require_fold_device(device: str) -> None:
     if not torch.cuda.is_available():
         raise FoldckptError(
             f"--device cuda: torch sees no GPU (torch.cuda.is_available() is False; torch {torch.__version__}, "
-            f"CUDA {torch.version.cuda}, ROCm {torch.version.hip}); nothing was folded: rerun with --device cpu or "
-            "auto, and --restart"
+            f"CUDA {torch.version.cuda}, ROCm {torch.version.hip}); {advice}"
         )

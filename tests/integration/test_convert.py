@@ -187,8 +187,7 @@ def test_convert_reads_every_source_byte_once_and_hashes_every_fold_byte_once(tm
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
-@pytest.mark.skipif(any(map(os.path.exists, defaults.GPU_DEVICE_FILES)) or torch.cuda.is_available(),
-                    reason="this machine has a GPU device file")  # fmt: skip
+@pytest.mark.skipif(any(map(os.path.exists, defaults.GPU_DEVICE_FILES)), reason="a machine without GPU device files")
 def test_device_cuda_on_a_machine_without_a_gpu_is_one_line_exit_2_and_auto_folds_on_the_cpu(tmp_path: Path) -> None:
     model = make_checkpoint(tmp_path / "model", "deepseek_v3")
     run = run_foldckpt("convert", model, tmp_path / "out", "--device", "cuda")
@@ -210,8 +209,9 @@ def test_device_cuda_where_torch_sees_no_gpu_is_refused_before_any_fold_and_auto
     device_file.touch()
     monkeypatch.setattr(defaults, "GPU_DEVICE_FILES", (str(device_file),))
     model = make_checkpoint(tmp_path / "model", "deepseek_v3")
-    with pytest.raises(FoldckptError, match=r"--device cuda: torch sees no GPU \(torch.cuda.is_available\(\) is False"):
+    with pytest.raises(FoldckptError, match=r"--device cuda: torch sees no GPU \(torch.cuda.is_available\(\) is False") as caught:
         convert(model, tmp_path / "out", ConvertOptions(progress=False, device="cuda"))
+    assert str(caught.value).endswith("nothing was folded: rerun with --device cpu or auto, and --restart")
     assert not (tmp_path / "out" / MANIFEST_NAME).exists()
     assert not list((tmp_path / "out").glob("foldckpt-*.safetensors"))
     result = convert(model, tmp_path / "out", ConvertOptions(progress=False, device="auto", restart=True))
