@@ -29,6 +29,9 @@ from foldckpt.files import read_json_file
 
 CONFIG_NAME = "config.json"
 _MAX_CONFIG_BYTES = 16 * 1024 * 1024
+# More layers than any MLA model has (DeepSeek-V3: 61 + 1 MTP): a larger count in config.json is a
+# damaged file, refused before anything is built per layer.
+MAX_LAYERS = 10_000
 
 
 @dataclass(frozen=True)
@@ -195,21 +198,34 @@ def _config_error(where: str, detail: str, section: str | None = None) -> Foldck
 
 def _require_int(config: dict[str, Any], key: str, where: str, section: str | None = None) -> int:
     value = config.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not _positive_int(value):
         raise _config_error(where, f"'{key}' must be a positive integer, got {value!r}", section)
     return value
 
 
-def _quantization(config: dict[str, Any], outer: dict[str, Any]) -> tuple[str | None, tuple[int, int] | None]:
-    """The checkpoint-wide quantization method and fp8 block size, if any."""
-    quant = config.get("quantization_config") or outer.get("quantization_config")
+def _quantization(
+    config: dict[str, Any], outer: dict[str, Any], where: str, section: str | None
+) -> tuple[str | None, tuple[int, int] | None]:
+    """The checkpoint-wide quantization method and fp8 block size, if any. A block size that is
+    given must be two positive integers: a wrong one would dequantize every fp8 weight wrongly."""
+    quant = config.get("quantization_config")
+    if not quant and config is not outer:
+        quant, section = outer.get("quantization_config"), None
     if not isinstance(quant, dict):
         return None, None
     method = quant.get("quant_method")
     block = quant.get("weight_block_size")
-    if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block):
-        return method, (block[0], block[1])
-    return method, None
+    if block is None:
+        return method, None
+    if not (isinstance(block, list) and len(block) == 2 and all(_positive_int(b) for b in block)):
+        raise _config_error(
+            where, f"'quantization_config.weight_block_size' must be two positive integers, got {block!r}", section
+        )
+    return method, (block[0], block[1])
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _kimi_k3_mla_indices(text: dict[str, Any], num_layers: int, where: str, section: str | None) -> list[int]:
@@ -273,6 +289,9 @@ def geometry_from_config(config: dict[str, Any], where: str = CONFIG_NAME) -> Ge
     mtp = text.get("num_nextn_predict_layers") or 0
     if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
         raise _config_error(where, "'num_nextn_predict_layers' must be a non-negative integer", section)
+    for key, count in (("num_hidden_layers", num_layers), ("num_nextn_predict_layers", mtp)):
+        if count > MAX_LAYERS:
+            raise _config_error(where, f"'{key}' is {count}, more than the {MAX_LAYERS} layers foldckpt accepts", section)
 
     if family == "kimi_k3":
         main = _kimi_k3_mla_indices(text, num_layers, where, section)
@@ -286,7 +305,7 @@ def geometry_from_config(config: dict[str, Any], where: str = CONFIG_NAME) -> Ge
     if not layers:
         raise _config_error(where, "the model has no MLA layer (every layer is linear attention)", section)
 
-    quant_method, block = _quantization(text, config)
+    quant_method, block = _quantization(text, config, where, section)
     return Geometry(
         family=family,
         architecture=architecture,

@@ -69,6 +69,15 @@ def test_geometry_round_trips_through_the_manifest_dict() -> None:
         (lambda c: c.update(num_attention_heads=0), "num_attention_heads"),
         (lambda c: c.update(kv_lora_rank="512"), "kv_lora_rank"),
         (lambda c: c.update(num_nextn_predict_layers=-1), "num_nextn_predict_layers"),
+        # a damaged count is refused before anything is built per layer (10**30 overflowed range())
+        (lambda c: c.update(num_hidden_layers=10**30), "'num_hidden_layers' is 1000000000000000000000000000000, more than the 10000"),
+        (lambda c: c.update(num_nextn_predict_layers=10_001), "'num_nextn_predict_layers' is 10001"),
+        # a given fp8 block size must be usable: it was replaced by 128x128 without a word
+        *[
+            (lambda c, block=block: c["quantization_config"].update(weight_block_size=block),
+             r"'quantization_config.weight_block_size' must be two positive integers")
+            for block in ([0, 128], [-128, -128], [128], "128", [128.0, 128], [True, 128], [128, 128, 128])
+        ],
     ],
 )
 def test_bad_deepseek_configs_are_refused(edit: Any, message: str) -> None:
@@ -90,3 +99,15 @@ def test_kimi_k3_kda_layers_out_of_range_are_refused() -> None:
     config["text_config"]["linear_attn_config"]["kda_layers"] = [0, 1]
     with pytest.raises(FoldckptError, match="1-based"):
         geometry_from_config(config)
+
+
+def test_kimi_k3_block_size_is_checked_where_it_is_given() -> None:
+    """Kimi-K3 keeps quantization_config beside text_config: a bad block size there is refused
+    without naming text_config, and a good one is read (the fold dequantizes with it)."""
+    config = copy.deepcopy(KIMI_K3)
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [64, 64]}
+    assert geometry_from_config(config).weight_block_size == (64, 64)
+    config["quantization_config"]["weight_block_size"] = [64, 0]
+    with pytest.raises(FoldckptError, match=r"config.json: 'quantization_config.weight_block_size' must be") as info:
+        geometry_from_config(config)
+    assert "text_config" not in str(info.value)
