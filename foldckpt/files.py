@@ -17,7 +17,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -85,11 +85,19 @@ def atomic_output(path: Path) -> Iterator[BinaryIO]:
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise os_error(path, exc, "writing") from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a temporary file after a failed write, where that is possible: on a read-only file
+    system even the removal of a file that was never made fails (EROFS), and that must not hide
+    the error that stopped the write."""
+    with suppress(OSError):
+        tmp.unlink(missing_ok=True)
 
 
 def atomic_write_json(path: Path, data: Any) -> None:

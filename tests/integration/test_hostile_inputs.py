@@ -513,6 +513,32 @@ def test_disk_full_enospc_fails_cleanly_then_resumes(model: Path, small_filesyst
     assert_verified(out)
 
 
+@pytest.fixture()
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """A real read-only mount (a bind mount of an empty directory remounted read-only; root with
+    CAP_SYS_ADMIN only, as the tmpfs above), on which every write and every unlink fails with EROFS."""
+    mount_point = tmp_path / "read-only"
+    mount_point.mkdir()
+    for command in (["mount", "--bind", mount_point, mount_point], ["mount", "-o", "remount,bind,ro", mount_point]):
+        mounted = subprocess.run(command, capture_output=True, text=True)
+        if mounted.returncode != 0:
+            subprocess.run(["umount", "-l", str(mount_point)], check=False, capture_output=True)
+            pytest.skip(f"cannot make a read-only mount ({mounted.stderr.strip()})")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_read_only_out_dir_is_refused_in_one_line(model: Path, read_only_dir: Path) -> None:
+    """A read-only OUT_DIR is the user's problem, said in one line: it was an "internal error" (exit
+    3, a traceback file), because removing the temporary file of the failed first write failed with
+    EROFS too and replaced the write's own error."""
+    line = error_line(run_cli("convert", model, read_only_dir, "-q"))
+    assert str(read_only_dir) in line and "read-only file system while writing" in line.lower(), line
+    assert not any(read_only_dir.iterdir())
+
+
 # ----------------------------------------------------------------------------- unreadable files
 
 
