@@ -403,6 +403,11 @@ def main(args: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     # A file-size limit (RLIMIT_FSIZE) must surface as EFBIG, not kill the process.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    # A reader that leaves (`foldckpt inspect DIR | head`) ends the command as it ends any Unix
+    # tool: killed by SIGPIPE (exit status 141), nothing printed. Python ignores SIGPIPE, and click
+    # turned the EPIPE into exit 1, "verification failed"; a cut-short verify must not read as a
+    # result, and every step of convert is durable (the rerun resumes).
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     try:
@@ -420,9 +425,6 @@ def main(args: list[str] | None = None) -> None:
         else:
             message = f"interrupted by {name}"
         _fail(128 + signum, "interrupted", message, as_json, signal=name, resumable=_resumable)
-    except BrokenPipeError:  # `foldckpt inspect DIR | head`: the reader left; say nothing more
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(EXIT_OK)
     except Exception as exc:  # a bug: one line, the traceback in a file
         path = _write_traceback()
         first = _one_line(str(exc).splitlines()[0] if str(exc) else "")

@@ -254,6 +254,27 @@ def test_every_ending_freezes_the_collector_before_the_interpreter_s_teardown(ki
 # what happened
 
 
+@pytest.mark.parametrize(
+    "args", [["inspect", "{out}"], ["inspect", "{out}", "--json"], ["verify", "{out}"], ["--help"]],
+    ids=["inspect", "inspect-json", "verify", "help"],
+)
+def test_a_reader_that_leaves_ends_the_command_by_sigpipe(kimi_out: tuple[Path, Run], args: list[str]) -> None:
+    """`foldckpt inspect DIR | head`: the command ends as any Unix tool does, killed by SIGPIPE (141
+    in a shell), with nothing on stderr. It exited 1, which says "verification failed": click
+    turns EPIPE into exit 1. The reader here is gone before the first write (its end of the pipe
+    is closed before the interpreter has even started)."""
+    out, _ = kimi_out
+    process = subprocess.Popen(
+        [sys.executable, "-m", "foldckpt", *(arg.format(out=out) for arg in args)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert process.wait(timeout=120) == -signal.SIGPIPE, stderr
+    assert "error" not in stderr and "Traceback" not in stderr, stderr
+
+
 def test_convert_summary_lists_the_folded_layers_and_the_worst_error(kimi_out: tuple[Path, Run]) -> None:
     out, run = kimi_out
     manifest = read_manifest(out)
