@@ -138,12 +138,27 @@ def open_source_checkpoint(model_dir: Path, external_links: bool = False) -> Sou
                     )
                 weight_map[name] = file
     else:
-        for name, file in weight_map.items():
-            if name not in headers[file].tensors:
-                raise FoldckptError.at(
-                    index_path, f"says '{name}' is in {file}, but that file's header has no such tensor", name
-                )
+        _check_index_matches_headers(index_path, weight_map, headers)
     return SourceCheckpoint(model_dir, index_path, weight_map, headers)
+
+
+def _check_index_matches_headers(index_path: Path, weight_map: dict[str, str], headers: dict[str, SafetensorsHeader]) -> None:
+    """The index and the shard headers agree both ways: every tensor the index maps is in its file,
+    and every tensor a shard holds is mapped to that shard. Why both: loaders read the shards the
+    index lists, whole, so a tensor it does not map (or maps elsewhere, a second copy) is served
+    all the same, unaccounted for; convert refuses it up front, and verify finds it the same way
+    in an index edited after conversion."""
+    for name, file in weight_map.items():
+        if name not in headers[file].tensors:
+            raise FoldckptError.at(
+                index_path, f"says '{name}' is in {file}, but that file's header has no such tensor", name
+            )
+    for file, header in headers.items():
+        for name in sorted(header.tensors):
+            mapped = weight_map.get(name)
+            if mapped != file:
+                where = "does not map" if mapped is None else f"maps to {mapped}"
+                raise FoldckptError.at(index_path, f"{where} tensor '{name}', which {file}'s header holds", name)
 
 
 def list_files_to_place(model_dir: Path, external_links: bool = False) -> list[str]:

@@ -357,12 +357,22 @@ def index_invalid_json(model: Path) -> tuple[str, ...]:
     return INDEX_NAME, "invalid JSON"
 
 
+def index_omits_a_tensor(model: Path) -> tuple[str, ...]:
+    """A tensor a shard holds but the index does not map: loaders serve it all the same, and verify
+    refused the output that convert made of it (it must be refused here, before any output)."""
+    index = json.loads((model / INDEX_NAME).read_text())
+    name = next(n for n, file in index["weight_map"].items() if file == SHARD and "q_b_proj" not in n)
+    del index["weight_map"][name]
+    (model / INDEX_NAME).write_text(json.dumps(index))
+    return INDEX_NAME, f"does not map tensor '{name}', which {SHARD}'s header holds"
+
+
 UP_FRONT = [
     truncated_shard, header_length_over_the_limit, header_length_past_the_end, header_invalid_json,
     header_not_utf8, header_not_an_object, offsets_overlapping, offsets_beyond_the_file, offsets_wrong_size,
     index_missing_file, index_dot_dot, index_absolute_path, shard_symlink_outside, other_file_symlink_outside,
     fifo_in_model_dir, config_is_a_fifo, pickle_shards_only, index_points_at_a_pickle, config_dims_disagree,
-    config_heads_disagree, config_invalid_json, index_invalid_json,
+    config_heads_disagree, config_invalid_json, index_invalid_json, index_omits_a_tensor,
 ]  # fmt: skip
 
 
