@@ -156,7 +156,12 @@ def _print_convert(result: ConvertResult) -> None:
         + (f" (layer {worst.index})" if worst is not None else "")
     )
     if result.up_to_date:
-        click.echo(f"{result.out_dir}: already converted with these inputs and parameters; nothing to do")
+        if result.replaced:
+            click.echo(f"{result.out_dir}: already converted with these inputs and parameters; nothing to fold")
+            click.echo(f"re-placed  {len(result.replaced)} source file(s) placed otherwise by the earlier run, as "
+                       f"--link asks: {', '.join(result.replaced)}")  # fmt: skip
+        else:
+            click.echo(f"{result.out_dir}: already converted with these inputs and parameters; nothing to do")
         click.echo(f"layers     {result.layers_total} MLA layer(s) folded: {_layer_list(result, 'up_to_date')}")
         click.echo(accuracy)
         return
@@ -166,10 +171,10 @@ def _print_convert(result: ConvertResult) -> None:
     if result.repaired:
         click.echo(f"repaired   {', '.join(result.repaired)}: missing or damaged in OUT_DIR, placed or folded again")
     if result.layers_resumed:
-        click.echo(f"resumed    {result.layers_resumed} layer(s) folded by the interrupted run: {_layer_list(result, 'resumed')}")
+        click.echo(f"resumed    {result.layers_resumed} layer(s) folded by an earlier run: {_layer_list(result, 'resumed')}")
     for name, size in result.sidecars.items():
         click.echo(f"sidecar    {name}  {human_bytes(size)}")
-    click.echo(f"sources    placed: {placed}")
+    click.echo(f"sources    {sum(result.placed.values())} file(s) in OUT_DIR, placed: {placed}")
     if result.io:
         io = result.io
         click.echo(f"io         read {human_bytes(io['bytes_read'])} (re-read {human_bytes(io['bytes_reread'])}), "

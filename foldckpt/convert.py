@@ -19,7 +19,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
@@ -123,6 +123,8 @@ class ConvertResult:
     source: dict[str, Any] | None = None
     # Files of OUT_DIR found missing or damaged by this run and placed or written again.
     repaired: tuple[str, ...] = ()
+    # Source files of an earlier run placed again as --link asks (e.g. copies for hard links).
+    replaced: tuple[str, ...] = ()
     fold_device: str = "cpu"
     # What this run read, hashed, wrote and copied, and each stage's busy time (IOCounters).
     io: dict[str, Any] = field(default_factory=dict)
@@ -380,14 +382,19 @@ def _prepare_out_dir(
 
 
 def _check_free_space(plan: ConversionPlan, out_dir: Path, journal: Journal, link: str) -> None:
-    needed = sum(s.size for s in plan.shards if not journal.shard(s.name).done)
+    to_place = [name for name in plan.files_to_place if name not in journal.placed]
+    _require_free_space(
+        plan, out_dir, sum(s.size for s in plan.shards if not journal.shard(s.name).done),
+        to_place + _placed_otherwise(journal.placed, link, journal.placed.__getitem__), link,
+    )  # fmt: skip
+
+
+def _require_free_space(plan: ConversionPlan, out_dir: Path, needed: int, to_place: list[str], link: str) -> None:
+    """Refuse before writing when OUT_DIR's filesystem cannot hold ``needed`` bytes of sidecars
+    plus the source files ``to_place`` that become copies."""
     same_device = os.stat(plan.source.model_dir).st_dev == os.stat(out_dir).st_dev
     if link == "copy" or (link == "auto" and not same_device):
-        needed += sum(
-            (plan.source.model_dir / name).stat().st_size
-            for name in plan.files_to_place
-            if name not in journal.placed
-        )
+        needed += sum((plan.source.model_dir / name).stat().st_size for name in to_place)
     free = shutil.disk_usage(out_dir).free
     if needed > free:
         raise FoldckptError(
@@ -401,7 +408,8 @@ def _place_sources(
 ) -> None:  # fmt: skip
     """Place every source file (and write the generated ones), journaling each with the
     fingerprints that later runs check it against."""
-    todo = [n for n in plan.files_to_place if not (n in journal.placed and (out_dir / n).exists())]
+    otherwise = set(_placed_otherwise(journal.placed, options.link, journal.placed.__getitem__))
+    todo = [n for n in plan.files_to_place if not (n in journal.placed and (out_dir / n).exists()) or n in otherwise]
     total = sum((plan.source.model_dir / n).stat().st_size for n in todo)
     with progress_bar(total, "placing sources", "B", options.progress) as bar:
         for name in todo:
@@ -423,6 +431,32 @@ def _place_sources(
         journal.placed[name] = "generated"
         journal.fingerprints[name] = {"out": fingerprint(out_dir / name), "src": None}
         journal.save()
+
+
+def _placed_otherwise(names: Iterable[str], link: str, how: Callable[[str], str]) -> list[str]:
+    """The placed files (of ``names``; ``how(name)``: hard, copy, symlink or generated) that an
+    explicit ``--link`` wants placed another way (``auto`` takes any). Why: a rerun with ``--link
+    copy``, which README advises before editing OUT_DIR's files, must leave copies, not the hard
+    links of an earlier run, through which the edits would change MODEL_DIR."""
+    if link == "auto":
+        return []
+    return [name for name in names if how(name) not in (link, "generated")]
+
+
+def _replace_placed_otherwise(plan: ConversionPlan, out_dir: Path, link: str) -> list[str]:
+    """In a finished output (just rechecked: every file holds the bytes its manifest records),
+    place again as ``link`` asks each source file placed otherwise; returns their names. The
+    manifest's bytes stay as they are (it records no placement), and its time becomes now, so that
+    later runs trust the new entries on their fingerprints instead of hashing them."""
+    model_dir = plan.source.model_dir
+    names = _placed_otherwise(plan.files_to_place, link, lambda name: _how_placed(out_dir / name, model_dir / name))
+    if not names:
+        return []
+    _require_free_space(plan, out_dir, 0, names, link)
+    for name in names:
+        place_file(model_dir / name, out_dir / name, link, progress=None)
+    os.utime(out_dir / MANIFEST_NAME)
+    return names
 
 
 def _fold_order(plan: ConversionPlan, journal: Journal) -> list[LayerPlan]:
@@ -685,13 +719,14 @@ def _convert_locked(
     source = origin.to_dict()
     journal, repaired = _prepare_out_dir(plan, out_dir, key, generated, options)
     if journal is None:
+        replaced = _replace_placed_otherwise(plan, out_dir, options.link)
         manifest = read_manifest(out_dir)
         layers = _outcomes(plan, manifest, {layer.output.name: "up_to_date" for layer in plan.layers})
         return ConvertResult(
             out_dir, True, len(plan.layers), 0, 0, sidecars, plan.fold_bytes,
             max_rel_error=max(layer.rel_fro_error for layer in layers),
             elapsed_s=time.monotonic() - started, layers=layers, model=origin.label, source=source,
-            fold_device=str(manifest.parameters.get("fold_device", device)),
+            fold_device=str(manifest.parameters.get("fold_device", device)), replaced=tuple(replaced),
         )  # fmt: skip
     remove_stale_tmp_files(out_dir, keep={tmp_path_for(out_dir / name) for name in journal.shards})
     _check_free_space(plan, out_dir, journal, options.link)

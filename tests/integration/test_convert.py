@@ -102,6 +102,36 @@ def test_copy_and_symlink_modes_carry_the_same_bytes(
     assert verify(out_dir, VerifyOptions(progress=False)).ok
 
 
+def test_a_rerun_with_another_link_mode_places_the_sources_again(
+    converted: Callable[..., tuple[Path, Path]],
+) -> None:
+    """A finished output of hard links, converted again with --link copy (README's advice before
+    editing OUT_DIR's files): every source file becomes a copy, with the same bytes and the same
+    manifest, so an edit in OUT_DIR no longer edits MODEL_DIR. It was "nothing to do", the hard
+    links kept. ``auto`` takes any placement; --link hard links them back."""
+    model_dir, out_dir = converted("kimi_k3")
+    manifest = (out_dir / MANIFEST_NAME).read_bytes()
+    sources = sorted(p.name for p in model_dir.iterdir())
+    result = convert(model_dir, out_dir, ConvertOptions(progress=False, link="copy"))
+    assert result.up_to_date and sorted(result.replaced) == sources
+    for name in sources:
+        assert (out_dir / name).stat().st_ino != (model_dir / name).stat().st_ino
+        assert (out_dir / name).read_bytes() == (model_dir / name).read_bytes()
+    assert (out_dir / MANIFEST_NAME).read_bytes() == manifest
+    assert verify(out_dir, VerifyOptions(progress=False)).ok
+    (out_dir / "tokenizer.json").write_text("{}")
+    assert (model_dir / "tokenizer.json").read_text() != "{}"
+    (out_dir / "tokenizer.json").unlink()
+    again = convert(model_dir, out_dir, ConvertOptions(progress=False, link="copy"))  # repairs the edit only
+    assert again.repaired == ("tokenizer.json",) and not again.replaced
+    assert (out_dir / "tokenizer.json").stat().st_ino != (model_dir / "tokenizer.json").stat().st_ino
+    assert not convert(model_dir, out_dir, ConvertOptions(progress=False, link="auto")).replaced
+    relinked = convert(model_dir, out_dir, ConvertOptions(progress=False, link="hard"))
+    assert sorted(relinked.replaced) == sources
+    assert all((out_dir / name).stat().st_ino == (model_dir / name).stat().st_ino for name in sources)
+    assert (out_dir / MANIFEST_NAME).read_bytes() == manifest
+
+
 def test_head_hashes_and_sidecar_sharding(make_model: Callable[..., Path], tmp_path: Path) -> None:
     model_dir = make_model("kimi_k3", layers=8)
     out_dir = tmp_path / "out"

@@ -450,6 +450,24 @@ def test_file_size_limit_efbig_fails_cleanly_then_resumes(model: Path, pristine:
     assert_verified(out)
 
 
+def test_a_resumed_run_places_the_sources_as_its_link_asks(model: Path, tmp_path: Path) -> None:
+    """A run stopped after it hard-linked the sources (EFBIG in the sidecar write), resumed with
+    --link copy: the files the stopped run linked become copies too, not only the ones it had not
+    placed yet."""
+    out = tmp_path / "out"
+    limit = 64 * 1024  # below the first layer's fold
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    error_line(run_cli("convert", model, out, "-q", preexec_fn=limit_file_size))
+    assert (out / SHARD).stat().st_ino == (model / SHARD).stat().st_ino
+    result = convert(model, out, ConvertOptions(progress=False, link="copy"))
+    assert result.placed == {"copy": len(list(model.iterdir()))}
+    assert all((out / p.name).stat().st_ino != p.stat().st_ino for p in model.iterdir())
+    assert_verified(out)
+
+
 _SMALL_APPEND = """
 import resource, sys
 from pathlib import Path
