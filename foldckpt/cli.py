@@ -193,7 +193,7 @@ def _print_convert(result: ConvertResult) -> None:
               help="Dtype of the stored fold (accumulation is always fp32, rounded once); fp8: OCP e4m3 "
                    "with an fp32 scale per row, half the bytes of bfloat16.")  # fmt: skip
 @click.option("--max-shard-size", type=ByteSize(), default=DEFAULT_MAX_SHARD_SIZE, show_default="5GiB",
-              help="Cap on each sidecar shard's size.")  # fmt: skip
+              help="Cap on each sidecar shard's size (a layer's fold is never split: a shard holds at least one).")  # fmt: skip
 @click.option("--tp", "tp_sizes", multiple=True, callback=_parse_tp, metavar="N[,N...]",
               help="Tensor-parallel sizes to show the per-rank GPU memory of (default: 1,2,4,8,16 that divide H). "
                    "Does not shape the output: every TP size dividing H serves and verifies (per-head hashes).")  # fmt: skip
@@ -288,6 +288,8 @@ def verify_command(ctx: click.Context, out_dir: Path, level: str, deep: bool, sa
         raise click.UsageError("--rank and --tp go together (--rank R --tp N)")
     if sample is not None and not (deep or level == "deep"):
         raise click.UsageError("--sample applies to --deep")
+    if deep and level != "deep" and ctx.get_parameter_source("level") is click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError(f"--deep is --level deep: it contradicts --level {level}")
     from foldckpt.verify import VerifyOptions, verify
 
     options = VerifyOptions(

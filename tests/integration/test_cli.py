@@ -66,6 +66,7 @@ def kimi_out(kimi: Path) -> tuple[Path, Run]:
         (["verify", "{out}", "--rank", "3"], "--rank and --tp go together"),
         (["verify", "{out}", "--tp", "8"], "--rank and --tp go together"),
         (["verify", "{out}", "--sample", "2"], "--sample applies to --deep"),
+        (["verify", "{out}", "--level", "structure", "--deep"], "--deep is --level deep: it contradicts --level structure"),
         (["verify", "{out}", "--level", "everything"], "Invalid value for '--level'"),
         (["frobnicate"], "No such command 'frobnicate'"),
         ([], "no command given; choose one of convert, verify, inspect"),
