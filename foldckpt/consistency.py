@@ -33,8 +33,8 @@ from foldckpt.errors import FoldckptError
 from foldckpt.geometry import CONFIG_NAME, read_geometry
 from foldckpt.files import os_error
 from foldckpt.hashing import HashJob, RangeCheck, hash_job
-from foldckpt.manifest import MANIFEST_NAME, FoldTensor, Manifest, SidecarRecord
-from foldckpt.safetensors_format import SafetensorsHeader, TensorInfo, read_header
+from foldckpt.manifest import MANIFEST_NAME, FoldTensor, Manifest, SidecarRecord, SourceTensor
+from foldckpt.safetensors_format import SafetensorsHeader, TensorInfo, read_header, read_tensor_bytes
 
 _HEX = frozenset(string.hexdigits.lower())
 
@@ -257,3 +257,28 @@ def check_served(out_dir: Path, manifest: Manifest, remedy: str = "") -> dict[st
     if problems:
         raise problems[0].error(out_dir, remedy)
     return headers
+
+
+def changed_fold_inputs(directory: Path, sources: Iterable[SourceTensor]) -> list[SourceTensor]:
+    """The fold inputs (as a manifest records them) whose bytes in ``directory`` are not the bytes
+    that were folded, or can no longer be read: each tensor hashed, each file's header read once.
+    ``verify`` names them once a source file is found changed; the serving loader checks the inputs
+    of every fold it loads, so that a fold never serves beside weights it was not made from (the
+    manifest and sidecar of another model, a source rewritten in place at the same size: files
+    whose sizes, all the loader checks of the sources otherwise, are right)."""
+    headers: dict[str, dict[str, TensorInfo] | None] = {}
+    changed = []
+    for source in sources:
+        if source.file not in headers:
+            try:
+                headers[source.file] = read_header(directory / source.file).tensors
+            except FoldckptError:
+                headers[source.file] = None
+        info = (headers[source.file] or {}).get(source.name)
+        try:
+            same = info is not None and hashlib.sha256(read_tensor_bytes(directory / source.file, info)).hexdigest() == source.sha256
+        except FoldckptError:
+            same = False
+        if not same:
+            changed.append(source)
+    return changed

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from foldckpt.checkpoint import INDEX_NAME, SourceCheckpoint, open_source_checkp
 from foldckpt.consistency import (
     Problem,
     add_head_ranges,
+    changed_fold_inputs,
     config_problems,
     file_problems,
     manifest_problems,
@@ -58,7 +58,7 @@ from foldckpt.hashing import (
     hash_job,
     head_digests,
 )
-from foldckpt.manifest import MANIFEST_NAME, Manifest, file_sha256, read_manifest
+from foldckpt.manifest import MANIFEST_NAME, Manifest, SourceTensor, file_sha256, read_manifest
 from foldckpt.progress import progress_bar
 from foldckpt.safetensors_format import read_header, read_tensor_bytes
 
@@ -215,30 +215,20 @@ def _plan_hash_jobs(out_dir: Path, manifest: Manifest, tp: int | None, rank: int
 def _changed_sources(out_dir: Path, manifest: Manifest, file: str) -> list[Problem]:
     """Which of the fold inputs held by ``file`` differ from the bytes that were folded (only run
     once the file is known to have changed, to name the tensor and the folds it invalidates)."""
-    fed: dict[str, tuple[str, list[str]]] = {}
+    fed: dict[SourceTensor, list[str]] = {}
     for tensor in manifest.tensors.values():
         for source in tensor.sources:
             if source.file == file:
-                fed.setdefault(source.name, (source.sha256, []))[1].append(tensor.name)
-    if not fed:
-        return []
-    try:
-        infos = read_header(out_dir / file).tensors
-    except FoldckptError:
+                fed.setdefault(source, []).append(tensor.name)
+    if not fed or _try_header(out_dir / file) is None:
         return []  # a broken header: the file-level problem says enough
     problems = []
-    for name, (expected, folds) in fed.items():
-        info = infos.get(name)
-        try:
-            changed = info is None or hashlib.sha256(read_tensor_bytes(out_dir / file, info)).hexdigest() != expected
-        except FoldckptError:
-            changed = True
-        if changed:
-            names = ", ".join(f"'{fold}'" for fold in folds)
-            problems.append(Problem(
-                file, f"source tensor '{name}' is not the one folded into {names} at conversion "
-                "(modified after conversion; reconvert or restore it)", name,
-            ))  # fmt: skip
+    for source in changed_fold_inputs(out_dir, fed):
+        names = ", ".join(f"'{fold}'" for fold in fed[source])
+        problems.append(Problem(
+            file, f"source tensor '{source.name}' is not the one folded into {names} at conversion "
+            "(modified after conversion; reconvert or restore it)", source.name,
+        ))  # fmt: skip
     return problems
 
 

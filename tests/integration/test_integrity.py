@@ -122,6 +122,34 @@ def test_the_loader_refuses_a_flipped_byte_for_the_rank_that_owns_it_only(conver
     assert fold_set.read_rows(other, 2, 1).shape[0] == fold_set.geometry.fold_shape[0] // 2
 
 
+def test_the_loader_refuses_a_fold_beside_weights_it_was_not_made_from(converted: Converted) -> None:
+    """The manifest and sidecar of one model put into the conversion of another of the same shapes
+    (and a fold input rewritten in place at the same size): every file has its recorded size and
+    every head its recorded sha256, all the loader checked, so vLLM served the other model's fold
+    (wrong tokens from the second one on). Now each fold's inputs are hashed as served."""
+    _, ours = converted("kimi_k3", ConvertOptions(progress=False, link="copy"), seed=0)
+    _, theirs = converted("kimi_k3", ConvertOptions(progress=False, link="copy"), seed=1)
+    for name in (MANIFEST_NAME, "foldckpt-00001-of-00001.safetensors"):
+        (ours / name).unlink()
+        (ours / name).write_bytes((theirs / name).read_bytes())
+    fold_set = open_fold_set(ours)  # sizes and structure agree: nothing up front can tell
+    layer = fold_set.geometry.layers[0]
+    source = fold_set.manifest.tensors[layer.q_fold].sources[0]
+    with pytest.raises(FoldckptError, match=rf"tensor '{source.name}' is not the one .* belongs to other weights") as caught:
+        fold_set.read_rows(layer, 1, 0)
+    assert caught.value.path == str(ours / source.file) and caught.value.tensor == source.name
+
+    record = open_fold_set(theirs).manifest.tensors[layer.q_fold]
+    kv_b = next(s for s in record.sources if "kv_b_proj" in s.name)
+    _flip(theirs / kv_b.file, read_header(theirs / kv_b.file).tensors[kv_b.name].start + 3)
+    fold_set = open_fold_set(theirs)
+    with pytest.raises(FoldckptError, match=rf"tensor '{kv_b.name}' is not the one") as caught:
+        fold_set.read_rows(layer, 2, 1)
+    assert caught.value.tensor == kv_b.name
+    other = fold_set.geometry.layers[1]  # folded from other tensors: still served
+    assert fold_set.read_rows(other, 2, 1).shape[0] == fold_set.geometry.fold_shape[0] // 2
+
+
 def test_the_loader_refuses_an_edited_or_unpinned_manifest(converted: Converted, monkeypatch: pytest.MonkeyPatch) -> None:
     _, out_dir = converted("kimi_k3", ConvertOptions(progress=False, link="copy"))
     digest = hashlib.sha256((out_dir / MANIFEST_NAME).read_bytes()).hexdigest()
