@@ -17,6 +17,7 @@ import pytest
 from foldckpt.errors import FoldckptError
 from foldckpt.manifest import MANIFEST_NAME, read_manifest
 from foldckpt.runtime.loader import open_fold_set
+from foldckpt.safetensors_format import read_header
 from tests.e2e.harness import MAX_MODEL_LEN, PROMPTS, engine_env, requires_vllm, run_job
 
 
@@ -57,6 +58,28 @@ def test_missing_sidecar_stops_the_engine(engine_dir: Path, converted_bf16: Path
     returncode, log = _start(engine_dir, "missing-sidecar", model)
     assert returncode != 0
     assert f"FoldckptError: {sidecar}: listed in foldckpt.json but missing" in log
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@requires_vllm
+def test_a_fold_input_changed_in_place_stops_the_engine(engine_dir: Path, converted_bf16: Path, tmp_path: Path) -> None:
+    """One bit of layer 1's q_b_proj flipped in its shard, the size kept: the sidecar is intact,
+    every file has its recorded size, and the engine served the fold of the old weights beside the
+    new ones. It must refuse, naming the shard and the tensor."""
+    model, _ = _copy(converted_bf16, tmp_path / "changed-input")
+    source = next(s for s in read_manifest(model).tensors["model.layers.1.self_attn.q_fold.weight"].sources
+                  if s.name.endswith("q_b_proj.weight"))  # fmt: skip
+    info = read_header(model / source.file).tensors[source.name]
+    with open(model / source.file, "r+b") as handle:
+        handle.seek(info.start)
+        low = handle.read(1)[0]
+        handle.seek(info.start)
+        handle.write(bytes([low ^ 0x01]))
+    returncode, log = _start(engine_dir, "changed-input", model)
+    assert returncode != 0
+    assert f"FoldckptError: {model / source.file}: tensor '{source.name}' is not the one" in log
+    assert "the fold belongs to other weights" in log
 
 
 def test_fold_set_of_a_good_conversion(converted_bf16: Path) -> None:
