@@ -29,7 +29,7 @@ from foldckpt.errors import FoldckptError
 from foldckpt.geometry import Geometry, MLALayer
 from foldckpt.runtime import stats
 from foldckpt.runtime.kernels import fold_route_max_tokens, fp8_fold_runs_as_fp8
-from foldckpt.runtime.loader import FoldSet, cached_fold_set, is_converted
+from foldckpt.runtime.loader import FoldSet, served_fold_set
 from foldckpt.runtime.weights import FoldBuild, SidecarFoldMethod
 
 _REMEDY = "set FOLDCKPT_DISABLE=1 to serve this checkpoint unfolded"
@@ -117,10 +117,9 @@ def attach_fold(
     whether it is active; any active one stops the engine. ``on_loaded()`` runs once the weight is
     in place and says how the layer does its decode RoPE (for the log line).
     """
-    model_dir = get_current_vllm_config().model_config.model
-    if not is_converted(model_dir):
+    fold_set = served_fold_set(get_current_vllm_config().model_config.model)
+    if fold_set is None:
         return None
-    fold_set = cached_fold_set(str(model_dir))
     layer = fold_set.layer_for_module(prefix)
     reasons = [name for name, active in unsupported.items() if active]
     if reasons:

@@ -136,6 +136,22 @@ def is_converted(model_dir: str | Path) -> bool:
     return (Path(model_dir) / MANIFEST_NAME).is_file()
 
 
+def served_fold_set(model_dir: str | Path) -> FoldSet | None:
+    """The checked fold set of the directory vLLM serves, or None where it is no conversion (then
+    the plugin leaves the model as it is). With ``FOLDCKPT_EXPECT_MANIFEST_SHA256`` set, a
+    directory without a manifest is refused: the pin names the conversion that must be served, and
+    the unconverted model (or a conversion whose manifest went missing) would otherwise be served
+    unfolded and unchecked without a word."""
+    if is_converted(model_dir):
+        return cached_fold_set(str(model_dir))
+    if os.environ.get(EXPECT_MANIFEST_ENV):
+        raise FoldckptError.at(
+            Path(model_dir) / MANIFEST_NAME, f"missing, but {EXPECT_MANIFEST_ENV} pins the conversion to serve: serve "
+            "the converted directory, or unset the variable to serve this one unfolded",
+        )  # fmt: skip
+    return None
+
+
 @functools.lru_cache(maxsize=4)
 def cached_fold_set(model_dir: str) -> FoldSet:
     """:func:`open_fold_set` once per directory and process (every MLA layer asks for it)."""

@@ -555,7 +555,7 @@ def test_small_helpers_the_plugin_calls(vllm_tree: SourceTree) -> None:
 def test_config_fields_the_plugin_reads(vllm_tree: SourceTree) -> None:
     tree = vllm_tree
     tree.require_fields("vllm.config", "VllmConfig", ["model_config", "compilation_config"], why="the fold build")
-    tree.require_fields("vllm.config", "ModelConfig", ["model"], why="is_converted(model_config.model)")
+    tree.require_fields("vllm.config", "ModelConfig", ["model"], why="served_fold_set(model_config.model)")
     tree.require_fields(
         "vllm.config", "CompilationConfig", ["splitting_ops"], why="foldckpt::mla_attention is a splitting op"
     )

@@ -8,6 +8,7 @@ engine.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -80,6 +81,20 @@ def test_a_fold_input_changed_in_place_stops_the_engine(engine_dir: Path, conver
     assert returncode != 0
     assert f"FoldckptError: {model / source.file}: tensor '{source.name}' is not the one" in log
     assert "the fold belongs to other weights" in log
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@requires_vllm
+def test_a_pinned_engine_refuses_an_unconverted_model(engine_dir: Path, tiny_model: Path, converted_bf16: Path) -> None:
+    """With the pin set, serving the original instead of its conversion stops the engine (it
+    served the original unfolded)."""
+    pin = hashlib.sha256((converted_bf16 / MANIFEST_NAME).read_bytes()).hexdigest()
+    spec = {"model": str(tiny_model), "dtype": "bfloat16", "eager": True, "max_model_len": MAX_MODEL_LEN,
+            "prompts": PROMPTS[:1], "max_tokens": 2, "tensor_parallel_size": 1}  # fmt: skip
+    proc = run_job(engine_dir, "pinned-unconverted", spec, engine_env(FOLDCKPT_EXPECT_MANIFEST_SHA256=pin), timeout=300)
+    assert proc.returncode != 0
+    assert f"FoldckptError: {tiny_model / MANIFEST_NAME}: missing, but FOLDCKPT_EXPECT_MANIFEST_SHA256 pins" in proc.stdout + proc.stderr
 
 
 def test_fold_set_of_a_good_conversion(converted_bf16: Path) -> None:

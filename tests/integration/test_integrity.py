@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.errors import FoldckptError, ManifestError
 from foldckpt.manifest import MANIFEST_NAME, encode_manifest, manifest_digest, read_manifest
-from foldckpt.runtime.loader import open_fold_set
+from foldckpt.runtime.loader import open_fold_set, served_fold_set
 from foldckpt.safetensors_format import read_header
 from foldckpt.verify import VerifyOptions, verify
 from tests.conftest import REPO, run_foldckpt
@@ -163,6 +163,21 @@ def test_the_loader_refuses_an_edited_or_unpinned_manifest(converted: Converted,
     flip_hex_digit_after(out_dir, read_manifest(out_dir).source_files["config.json"].sha256[:40])
     with pytest.raises(ManifestError, match="self-digest"):
         open_fold_set(out_dir)
+
+
+def test_a_pin_refuses_a_directory_without_a_manifest(converted: Converted, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FOLDCKPT_EXPECT_MANIFEST_SHA256 names the conversion to serve: the unconverted original (or
+    a conversion whose manifest went missing) was served unfolded and unchecked, the pin ignored."""
+    model_dir, out_dir = converted("kimi_k3", ConvertOptions(progress=False, link="copy"))
+    assert served_fold_set(model_dir) is None  # no pin: an unconverted model is served as it is
+    digest = hashlib.sha256((out_dir / MANIFEST_NAME).read_bytes()).hexdigest()
+    monkeypatch.setenv("FOLDCKPT_EXPECT_MANIFEST_SHA256", digest)
+    served = served_fold_set(out_dir)
+    assert served is not None and served.manifest.file_sha256 == digest
+    for directory in (model_dir, out_dir.with_name("gone")):
+        with pytest.raises(FoldckptError, match=f"{MANIFEST_NAME}: missing, but FOLDCKPT_EXPECT_MANIFEST_SHA256 pins") as caught:
+            served_fold_set(directory)
+        assert caught.value.path == str(directory / MANIFEST_NAME)
 
 
 @pytest.mark.parametrize(
