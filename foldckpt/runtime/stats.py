@@ -40,6 +40,7 @@ class StatsFile:
             "graph_captures_folded": 0,
             "graph_captures_unfolded": 0,
         }
+        self._layers: set[str] = set()
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._dirty = threading.Event()
@@ -64,9 +65,13 @@ class StatsFile:
             self._counts["graph_captures_folded" if folded else "graph_captures_unfolded"] += 1
         self._dirty.set()
 
-    def set_layers_with_fold(self, count: int) -> None:
+    def add_layer_with_fold(self, layer: str) -> None:
+        """Count a layer whose fold is loaded, once whichever model build of this worker loads it
+        (the target model and, under MTP speculative decoding, the draft: each counted its own
+        layers, and the draft's count replaced the target's)."""
         with self._lock:
-            self._counts["layers_with_fold"] = count
+            self._layers.add(layer)
+            self._counts["layers_with_fold"] = len(self._layers)
         self._dirty.set()
 
     def snapshot(self) -> dict[str, int]:

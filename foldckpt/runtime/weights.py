@@ -52,7 +52,7 @@ class FoldBuild:
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         recorder = stats.open_worker_stats(tp_rank, tp_size)
         if recorder is not None:
-            recorder.set_layers_with_fold(len(self.loaded))
+            recorder.add_layer_with_fold(f"{self.fold_set.model_dir}:{layer.prefix}")
         if len(self.loaded) == self.built:
             logger.info(
                 "foldckpt: folded %d MLA layers of %s (fold %s, computed in %s); decode batches of "

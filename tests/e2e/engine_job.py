@@ -75,14 +75,15 @@ class ForceTokens(LogitsProcessor):
         return logits
 
 
-def _kimi_k3_options(spec: dict[str, Any]) -> dict[str, Any]:
-    """Extra ``LLM`` arguments for the opt-in Kimi-K3 keys (none for any other spec)."""
+def _opt_in_options(spec: dict[str, Any]) -> dict[str, Any]:
+    """Extra ``LLM`` arguments for the opt-in spec keys (the Kimi-K3 CPU settings, speculative
+    decoding; none for any other spec)."""
     options: dict[str, Any] = {}
     if spec.get("kimi_k3_cpu"):
         options.update(enable_prefix_caching=False, language_model_only=True)
     if spec.get("skip_tokenizer_init"):
         options["skip_tokenizer_init"] = True
-    for passthrough in ("mamba_block_size", "additional_config"):
+    for passthrough in ("mamba_block_size", "additional_config", "speculative_config"):
         if spec.get(passthrough) is not None:
             options[passthrough] = spec[passthrough]
     return options
@@ -101,7 +102,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         # foldckpt.runtime.mla_fold._rope): eager runs use the native RoPE, as compiled runs do.
         compilation_config={"custom_ops": ["-rotary_embedding"]} if spec["eager"] else None,
         logits_processors=[ForceTokens] if spec.get("force") else None,
-        **_kimi_k3_options(spec),
+        **_opt_in_options(spec),
     )
     ready = time.monotonic()
     if spec.get("load_only"):

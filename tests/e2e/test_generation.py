@@ -16,11 +16,15 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
+from foldckpt.convert import ConvertOptions, convert
+from foldckpt.synthetic import make_checkpoint
 from tests.e2e.harness import (
     DECODE_TOKENS,
     LOG_LINE,
     PREFILL_TOKENS,
+    PROMPTS,
     EngineRun,
     requires_vllm,
     run_engine,
@@ -155,3 +159,16 @@ def test_converted_dir_serves_unchanged_without_the_plugin(original_bf16: Engine
     assert converted_without_plugin.logprobs == original_bf16.logprobs
     assert "foldckpt:" not in converted_without_plugin.log
     assert converted_without_plugin.stats is None
+
+
+def test_mtp_speculative_decoding_loads_the_draft_layer_s_fold_too(engine_dir: Path, tmp_path: Path) -> None:
+    """MTP speculative decoding builds the draft model (the MTP layer) beside the target: both get
+    their folds, each build says so in its own line, and the stats file counts every folded layer
+    of the worker (the draft's build replaced the count with its own 1)."""
+    model = make_checkpoint(tmp_path / "deepseek-v3-mtp", "deepseek_v3", mtp_layers=1, dtype=torch.float32)
+    folded = convert(model, tmp_path / "deepseek-v3-mtp-folded", ConvertOptions(progress=False)).out_dir
+    run = run_engine(engine_dir, "folded-mtp", folded, "float32", prompts=PROMPTS[:2], max_tokens=8,
+                     spec_extra={"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}})  # fmt: skip
+    assert "foldckpt: folded 2 MLA layers" in run.log and "layers 0, 1\n" in run.log
+    assert "foldckpt: folded 1 MLA layers" in run.log and "layers 2 (mtp)" in run.log
+    assert run.stats is not None and run.stats["layers_with_fold"] == 3

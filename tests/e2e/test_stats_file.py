@@ -20,7 +20,8 @@ import sys, time
 from pathlib import Path
 from foldckpt.runtime.stats import StatsFile
 stats = StatsFile(Path(sys.argv[1]))
-stats.set_layers_with_fold(2)
+for layer in ("model.layers.0", "model.layers.1", "model.layers.0"):  # a layer loaded twice counts once
+    stats.add_layer_with_fold(layer)
 for _ in range(1000):
     stats.record_step(3, 0, 5)
 stats.record_step(0, 7, 0)
