@@ -29,11 +29,20 @@ def _copy(converted: Path, dest: Path) -> tuple[Path, Path]:
     return dest, dest / sidecar
 
 
-def _start(engine_dir: Path, name: str, model: Path) -> tuple[int, str]:
+def _start(engine_dir: Path, name: str, model: Path, **env: str) -> tuple[int, str]:
     spec = {"model": str(model), "dtype": "bfloat16", "eager": True, "max_model_len": MAX_MODEL_LEN,
             "prompts": PROMPTS[:1], "max_tokens": 2, "tensor_parallel_size": 1}  # fmt: skip
-    proc = run_job(engine_dir, name, spec, engine_env(), timeout=300)
+    proc = run_job(engine_dir, name, spec, engine_env(**env), timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
+
+
+def _flip(path: Path, offset: int, mask: int) -> None:
+    """XOR one byte of ``path`` in place: its size, and so every header, stays valid."""
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([byte ^ mask]))
 
 
 @pytest.mark.e2e
@@ -41,9 +50,7 @@ def _start(engine_dir: Path, name: str, model: Path) -> tuple[int, str]:
 @requires_vllm
 def test_corrupted_sidecar_stops_the_engine(engine_dir: Path, converted_bf16: Path, tmp_path: Path) -> None:
     model, sidecar = _copy(converted_bf16, tmp_path / "corrupted")
-    data = bytearray(sidecar.read_bytes())
-    data[-64] ^= 0xFF  # inside the last fold tensor's data; size and header stay valid
-    sidecar.write_bytes(bytes(data))
+    _flip(sidecar, sidecar.stat().st_size - 64, 0xFF)  # inside the last fold tensor's data
     returncode, log = _start(engine_dir, "corrupted-sidecar", model)
     assert returncode != 0
     assert f"FoldckptError: {sidecar}: tensor 'model.layers.1.self_attn.q_fold.weight'" in log
@@ -71,12 +78,7 @@ def test_a_fold_input_changed_in_place_stops_the_engine(engine_dir: Path, conver
     model, _ = _copy(converted_bf16, tmp_path / "changed-input")
     source = next(s for s in read_manifest(model).tensors["model.layers.1.self_attn.q_fold.weight"].sources
                   if s.name.endswith("q_b_proj.weight"))  # fmt: skip
-    info = read_header(model / source.file).tensors[source.name]
-    with open(model / source.file, "r+b") as handle:
-        handle.seek(info.start)
-        low = handle.read(1)[0]
-        handle.seek(info.start)
-        handle.write(bytes([low ^ 0x01]))
+    _flip(model / source.file, read_header(model / source.file).tensors[source.name].start, 0x01)
     returncode, log = _start(engine_dir, "changed-input", model)
     assert returncode != 0
     assert f"FoldckptError: {model / source.file}: tensor '{source.name}' is not the one" in log
@@ -90,11 +92,9 @@ def test_a_pinned_engine_refuses_an_unconverted_model(engine_dir: Path, tiny_mod
     """With the pin set, serving the original instead of its conversion stops the engine (it
     served the original unfolded)."""
     pin = hashlib.sha256((converted_bf16 / MANIFEST_NAME).read_bytes()).hexdigest()
-    spec = {"model": str(tiny_model), "dtype": "bfloat16", "eager": True, "max_model_len": MAX_MODEL_LEN,
-            "prompts": PROMPTS[:1], "max_tokens": 2, "tensor_parallel_size": 1}  # fmt: skip
-    proc = run_job(engine_dir, "pinned-unconverted", spec, engine_env(FOLDCKPT_EXPECT_MANIFEST_SHA256=pin), timeout=300)
-    assert proc.returncode != 0
-    assert f"FoldckptError: {tiny_model / MANIFEST_NAME}: missing, but FOLDCKPT_EXPECT_MANIFEST_SHA256 pins" in proc.stdout + proc.stderr
+    returncode, log = _start(engine_dir, "pinned-unconverted", tiny_model, FOLDCKPT_EXPECT_MANIFEST_SHA256=pin)
+    assert returncode != 0
+    assert f"FoldckptError: {tiny_model / MANIFEST_NAME}: missing, but FOLDCKPT_EXPECT_MANIFEST_SHA256 pins" in log
 
 
 def test_fold_set_of_a_good_conversion(converted_bf16: Path) -> None:
