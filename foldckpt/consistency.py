@@ -270,10 +270,7 @@ def changed_fold_inputs(directory: Path, sources: Iterable[SourceTensor]) -> lis
     changed = []
     for source in sources:
         if source.file not in headers:
-            try:
-                headers[source.file] = read_header(directory / source.file).tensors
-            except FoldckptError:
-                headers[source.file] = None
+            headers[source.file] = header_tensors(directory / source.file)
         info = (headers[source.file] or {}).get(source.name)
         try:
             same = info is not None and hashlib.sha256(read_tensor_bytes(directory / source.file, info)).hexdigest() == source.sha256
@@ -282,3 +279,12 @@ def changed_fold_inputs(directory: Path, sources: Iterable[SourceTensor]) -> lis
         if not same:
             changed.append(source)
     return changed
+
+
+def header_tensors(path: Path) -> dict[str, TensorInfo] | None:
+    """The tensors a safetensors file's header lists, or None when the header cannot be read (a
+    problem the caller reports elsewhere, by the file)."""
+    try:
+        return read_header(path).tensors
+    except FoldckptError:
+        return None

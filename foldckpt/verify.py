@@ -44,6 +44,7 @@ from foldckpt.consistency import (
     changed_fold_inputs,
     config_problems,
     file_problems,
+    header_tensors,
     manifest_problems,
     sidecar_headers,
 )
@@ -154,29 +155,12 @@ def _check_index(out_dir: Path, source: SourceCheckpoint, manifest: Manifest) ->
     for tensor in manifest.tensors.values():
         for item in tensor.sources:
             header = source.headers.get(item.file)
-            if header is None:
-                header_tensors = _try_header(out_dir / item.file)
-            else:
-                header_tensors = header.tensors
-            if header_tensors is None or item.name not in header_tensors:
+            held = header.tensors if header is not None else header_tensors(out_dir / item.file)
+            if held is None or item.name not in held:
                 problems.append(
                     Problem(item.file, f"has no tensor '{item.name}', which {MANIFEST_NAME} says fed '{tensor.name}'", item.name)
                 )
     return problems
-
-
-def _try_header(path: Path) -> dict[str, Any] | None:
-    try:
-        return read_header(path).tensors
-    except FoldckptError:
-        return None
-
-
-def _try_header(path: Path) -> dict[str, Any] | None:
-    try:
-        return read_header(path).tensors
-    except FoldckptError:
-        return None
 
 
 def check_structure(out_dir: Path, manifest: Manifest) -> LevelResult:
@@ -220,7 +204,7 @@ def _changed_sources(out_dir: Path, manifest: Manifest, file: str) -> list[Probl
         for source in tensor.sources:
             if source.file == file:
                 fed.setdefault(source, []).append(tensor.name)
-    if not fed or _try_header(out_dir / file) is None:
+    if not fed or header_tensors(out_dir / file) is None:
         return []  # a broken header: the file-level problem says enough
     problems = []
     for source in changed_fold_inputs(out_dir, fed):
