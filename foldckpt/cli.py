@@ -249,14 +249,27 @@ def convert_command(model_dir: str, out_dir: Path, revision: str | None, fold_dt
     _emit_json(result.to_dict()) if as_json else _print_convert(result)
 
 
-def _print_verify(report: VerifyReport) -> None:
-    if report.manifest_sha256 is not None:  # `sha256sum foldckpt.json` prints the same: pin it
-        click.echo(f"sha256     {report.manifest_sha256}  foldckpt.json")
-    for level in report.levels:
-        click.echo(f"{'ok  ' if level.ok else 'FAIL'} {level.name:<10} {level.summary} ({level.elapsed_s:.2f} s)")
-        for problem in level.problems:
-            click.echo(f"     - {problem}")
-    click.echo(f"{'verified' if report.ok else 'verification FAILED'} in {report.elapsed_s:.2f} s")
+class _VerifyPrinter:
+    """Prints a verify report level by level as the levels end (``VerifyOptions.on_level``), so
+    that an interrupted run has shown what it proved, then the verdict."""
+
+    def __init__(self) -> None:
+        self._started = False
+        self._shown = 0  # levels printed
+
+    def __call__(self, report: VerifyReport) -> None:
+        if not self._started and report.manifest_sha256 is not None:  # `sha256sum foldckpt.json` prints the same
+            click.echo(f"sha256     {report.manifest_sha256}  foldckpt.json")
+        self._started = True
+        for level in report.levels[self._shown :]:
+            click.echo(f"{'ok  ' if level.ok else 'FAIL'} {level.name:<10} {level.summary} ({level.elapsed_s:.2f} s)")
+            for problem in level.problems:
+                click.echo(f"     - {problem}")
+        self._shown = len(report.levels)
+
+    def finish(self, report: VerifyReport) -> None:
+        self(report)
+        click.echo(f"{'verified' if report.ok else 'verification FAILED'} in {report.elapsed_s:.2f} s")
 
 
 @cli.command(name="verify")
@@ -292,12 +305,13 @@ def verify_command(ctx: click.Context, out_dir: Path, level: str, deep: bool, sa
         raise click.UsageError(f"--deep is --level deep: it contradicts --level {level}")
     from foldckpt.verify import VerifyOptions, verify
 
+    printer = None if as_json else _VerifyPrinter()
     options = VerifyOptions(
         level="deep" if deep else level, sample=sample, rank=rank, tp=tp, workers=workers,
-        progress=not quiet and not as_json, expect_manifest_sha256=expect_sha256,
+        progress=not quiet and not as_json, expect_manifest_sha256=expect_sha256, on_level=printer,
     )  # fmt: skip
     report = verify(out_dir, options)
-    _emit_json(report.to_dict()) if as_json else _print_verify(report)
+    _emit_json(report.to_dict()) if printer is None else printer.finish(report)
     ctx.exit(EXIT_OK if report.ok else EXIT_VERIFY_FAILED)
 
 

@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,9 @@ class VerifyOptions:
     progress: bool = True
     # Refuse the directory unless foldckpt.json has exactly this sha256 (what `sha256sum` prints).
     expect_manifest_sha256: str | None = None
+    # Called with the report so far as each level ends, so that a caller shows each result when
+    # it is known: a `verify --deep` stopped by Ctrl-C still shows the levels that passed.
+    on_level: Callable[[VerifyReport], None] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -497,6 +501,8 @@ def verify(out_dir: Path, options: VerifyOptions = VerifyOptions()) -> VerifyRep
         started = time.perf_counter()
         result = checks[name]()
         results.append(dataclasses.replace(result, elapsed_s=time.perf_counter() - started))
+        if options.on_level is not None:
+            options.on_level(VerifyReport(out_dir, tuple(results), time.perf_counter() - begun, manifest.file_sha256))
         if not result.ok:
             break
     return VerifyReport(out_dir, tuple(results), time.perf_counter() - begun, manifest.file_sha256)

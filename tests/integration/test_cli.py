@@ -181,6 +181,30 @@ def test_a_signal_during_convert_exits_130_or_143_in_one_line_and_the_rerun_resu
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
 
 
+def test_ctrl_c_during_verify_deep_keeps_the_levels_it_has_shown(deepseek: tuple[Path, Path]) -> None:
+    """Each level is printed as it ends: Ctrl-C in the deep level (torch's import alone takes
+    seconds) still shows that manifest, structure and content passed, and no verdict. Before,
+    the report was printed at the end only, so the minutes of hashing were lost."""
+    _, reference = deepseek
+    args = [sys.executable, "-m", "foldckpt", "verify", str(reference), "--deep", "-q"]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    shown = []
+    while not (shown and shown[-1].startswith("ok   content")):
+        line = process.stdout.readline()
+        assert line, f"verify ended before its content level: {shown}"
+        shown.append(line.rstrip("\n"))
+    assert process.poll() is None, "verify finished before the signal could be sent"
+    process.send_signal(signal.SIGINT)
+    rest, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, (process.returncode, shown, rest, stderr)
+    assert [line.split()[:2] for line in shown] == [
+        ["sha256", read_manifest(reference).file_sha256], ["ok", "manifest"], ["ok", "structure"], ["ok", "content"]
+    ]
+    assert rest == ""
+    assert stderr.splitlines() == ["foldckpt: interrupted by SIGINT"]
+
+
 # ---------------------------------------------------------------------------------------------
 # internal errors: exit 3, one line, the traceback in a file; no torch on the cheap commands
 
