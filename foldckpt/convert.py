@@ -635,6 +635,7 @@ def _write_shard(
         if writing is not None:
             wait([writing])
         writer.close()
+        counters.add(staged=writer.staged)
     return folded
 
 

@@ -19,6 +19,7 @@ the cost differs.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -39,6 +40,13 @@ _DIRECT_MIN_BYTES = DIRECT_CHUNK
 _UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _page_aligned(view: memoryview) -> bool:
+    """Whether ``view`` starts at an ``ALIGN``-aligned address (a read-only view counts as not)."""
+    if view.readonly:
+        return False
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGN == 0
 
 
 def aligned_buffer(nbytes: int) -> memoryview:
@@ -211,7 +219,10 @@ class DurableAppender:
     A direct write covers whole aligned blocks, so the bytes of the last, partial block of what the
     file holds (``_tail``, under ``ALIGN`` bytes) are kept here and rewritten in front of the next
     append; the file is cut back to its exact size after each append. ``offset`` is always the
-    durable size of the file.
+    durable size of the file. Bytes go through an aligned staging buffer, except the whole blocks
+    of a page-aligned part that starts on a block boundary of the file: those are written straight
+    from the caller's memory (a fold buffer, :func:`aligned_buffer`), since copying 170 MB per
+    Kimi-K3 layer cost 0.13 core-s on this project's 2-core VM. ``staged`` counts the bytes copied.
     """
 
     def __init__(
@@ -225,6 +236,7 @@ class DurableAppender:
         self._direct = open_direct(path, os.O_WRONLY)
         self._stage = aligned_buffer(DIRECT_CHUNK) if self._direct is not None else None
         self._tail = os.pread(fd, offset % ALIGN, _align_down(offset)) if self._direct is not None else b""
+        self.staged = 0
 
     def truncate(self, offset: int) -> None:
         """Drop everything after ``offset`` (durably, at the next append or now if nothing follows)."""
@@ -277,7 +289,13 @@ class DurableAppender:
         for part in parts:
             view = part.cast("B")
             while view.nbytes:
+                if filled == 0 and view.nbytes >= ALIGN and _page_aligned(view):  # block: where it goes
+                    whole_blocks = _align_down(view.nbytes)
+                    self._write_block(direct, view[:whole_blocks], block)
+                    view, block = view[whole_blocks:], block + whole_blocks
+                    continue
                 take = min(view.nbytes, stage.nbytes - filled)
+                self.staged += take
                 stage[filled : filled + take] = view[:take]
                 view, filled = view[take:], filled + take
                 if filled == stage.nbytes:

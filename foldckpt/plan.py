@@ -19,6 +19,7 @@ from foldckpt.defaults import (
     FOLD_DTYPE_NAMES,
     FOLD_SCALE_DTYPE,
     SCALED_FOLD_DTYPES,
+    SIDECAR_HEADER_ALIGN,
     SIDECAR_PREFIX,
 )
 from foldckpt.errors import FoldckptError
@@ -80,7 +81,7 @@ class ShardPlan:
 
     @property
     def size(self) -> int:
-        return file_size_for(self.specs, SIDECAR_METADATA)
+        return sidecar_size(self.specs)
 
 
 @dataclass(frozen=True)
@@ -165,12 +166,17 @@ def _source_weight(
     return SourceWeight(name, file, info, scale=(scale[0], scale[1]), block=block)
 
 
+def sidecar_size(specs: list[TensorSpec]) -> int:
+    """The size of a sidecar shard holding ``specs`` (its header as :class:`~foldckpt.sidecar.ShardWriter` writes it)."""
+    return file_size_for(specs, SIDECAR_METADATA, SIDECAR_HEADER_ALIGN)
+
+
 def _pack_shards(layers: list[LayerPlan], max_shard_size: int) -> tuple[ShardPlan, ...]:
     """Greedy, order-preserving packing; a fold larger than the cap gets a shard of its own."""
     groups: list[list[LayerPlan]] = [[]]
     for layer in layers:
         candidate = groups[-1] + [layer]
-        if groups[-1] and file_size_for([spec for lp in candidate for spec in lp.outputs], SIDECAR_METADATA) > max_shard_size:
+        if groups[-1] and sidecar_size([spec for lp in candidate for spec in lp.outputs]) > max_shard_size:
             groups.append([layer])
         else:
             groups[-1] = candidate

@@ -248,11 +248,12 @@ class TensorSpec:
         return tensor_nbytes(self.dtype, self.shape)
 
 
-def encode_header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
+def encode_header(specs: list[TensorSpec], metadata: dict[str, str], align: int = _HEADER_ALIGN) -> bytes:
     """The exact header bytes (length prefix included) for tensors laid out in ``specs`` order.
 
-    Deterministic (fixed key order, no whitespace, space padding to 8 bytes) so that a resumed
-    conversion writes byte-identical files.
+    Deterministic (fixed key order, no whitespace, space padding) so that a resumed conversion
+    writes byte-identical files. The padding makes the header, prefix included, a multiple of
+    ``align`` bytes (a multiple of 8), which is where the first tensor's bytes then start.
     """
     header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
     offset = 0
@@ -264,12 +265,14 @@ def encode_header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
         }
         offset += spec.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % _HEADER_ALIGN)
+    if align % _HEADER_ALIGN:
+        raise ValueError(f"header alignment {align} is not a multiple of {_HEADER_ALIGN}")
+    raw += b" " * (-(8 + len(raw)) % align)
     return struct.pack("<Q", len(raw)) + raw
 
 
-def file_size_for(specs: list[TensorSpec], metadata: dict[str, str]) -> int:
-    return len(encode_header(specs, metadata)) + sum(spec.nbytes for spec in specs)
+def file_size_for(specs: list[TensorSpec], metadata: dict[str, str], align: int = _HEADER_ALIGN) -> int:
+    return len(encode_header(specs, metadata, align)) + sum(spec.nbytes for spec in specs)
 
 
 def tensor_to_bytes(tensor: torch.Tensor) -> memoryview:

@@ -16,6 +16,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from foldckpt.defaults import SIDECAR_HEADER_ALIGN
 from foldckpt.direct_io import DiskPriority, DurableAppender
 from foldckpt.files import fsync_dir, os_error, tmp_path_for
 from foldckpt.manifest import SidecarRecord
@@ -34,7 +35,7 @@ class ShardWriter:
         """``priority``: the run's, so that its appends go before background reads."""
         self.path = path
         self.tmp = tmp_path_for(path)
-        header = encode_header(specs, metadata)
+        header = encode_header(specs, metadata, SIDECAR_HEADER_ALIGN)
         self.header_sha256 = hashlib.sha256(header).hexdigest()
         self.header_size = len(header)
         self.expected_size = len(header) + sum(spec.nbytes for spec in specs)
@@ -45,7 +46,10 @@ class ShardWriter:
             self.layout[spec.name] = TensorInfo(spec.name, spec.dtype, spec.shape, cursor, cursor + spec.nbytes)
             cursor += spec.nbytes
         try:
-            resume = resume_offset >= len(header) and self.tmp.is_file() and self.tmp.stat().st_size >= resume_offset
+            resume = (
+                resume_offset >= len(header) and self.tmp.is_file() and self.tmp.stat().st_size >= resume_offset
+                and _starts_with(self.tmp, header)  # not a damaged header, nor another layout's
+            )  # fmt: skip
             kept = resume_offset if resume else 0
             fd = os.open(self.tmp, os.O_RDWR if resume else os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
             try:
@@ -59,6 +63,11 @@ class ShardWriter:
         self._fd: int | None = fd
         if self.offset == 0:
             self.append(header)
+
+    @property
+    def staged(self) -> int:
+        """Bytes copied through the direct-I/O staging buffer so far (the header, unaligned tails)."""
+        return self._out.staged
 
     @property
     def offset(self) -> int:
@@ -108,3 +117,8 @@ class ShardWriter:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+
+
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    with open(path, "rb") as handle:
+        return handle.read(len(prefix)) == prefix

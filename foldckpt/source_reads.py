@@ -66,23 +66,28 @@ class _Slot:
 class IOCounters:
     """Bytes moved by one conversion and the busy time of each stage (summed over threads), for
     the benchmark and ``--json``: ``read`` counts every byte read from a source (``reread`` the
-    fold inputs read a second time), ``hashed`` every byte fed to sha256."""
+    fold inputs read a second time), ``hashed`` every byte fed to sha256, ``staged`` every byte
+    the sidecar writer copied into its direct-I/O staging buffer (page-aligned folds are not)."""
 
     read: int = 0
     hashed: int = 0
     reread: int = 0
     written: int = 0
     copied: int = 0
+    staged: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, read: int = 0, hashed: int = 0, reread: int = 0, written: int = 0, copied: int = 0) -> None:
+    def add(
+        self, read: int = 0, hashed: int = 0, reread: int = 0, written: int = 0, copied: int = 0, staged: int = 0
+    ) -> None:
         with self.lock:
             self.read += read
             self.hashed += hashed
             self.reread += reread
             self.written += written
             self.copied += copied
+            self.staged += staged
 
     @contextmanager
     def timed(self, stage: str) -> Iterator[None]:
@@ -96,7 +101,7 @@ class IOCounters:
     def to_dict(self) -> dict[str, Any]:
         return {
             "bytes_read": self.read, "bytes_reread": self.reread, "bytes_hashed": self.hashed,
-            "bytes_written": self.written, "bytes_copied": self.copied,
+            "bytes_written": self.written, "bytes_copied": self.copied, "bytes_staged": self.staged,
             "stage_busy_s": {stage: round(s, 3) for stage, s in sorted(self.seconds.items())},
         }  # fmt: skip
 

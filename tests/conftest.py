@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from foldckpt.convert import ConvertOptions, convert
+from foldckpt.direct_io import open_direct
 from foldckpt.synthetic import make_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -21,6 +23,20 @@ def run_foldckpt(*args: str | Path, timeout: float = 300, **kwargs: object) -> s
         [sys.executable, "-m", "foldckpt", *map(str, args)],
         capture_output=True, text=True, timeout=timeout, check=False, **kwargs,
     )  # fmt: skip
+
+
+def direct_io_supported(folder: Path) -> bool:
+    """Whether the filesystem of ``folder`` takes O_DIRECT (tmpfs, for one, does not)."""
+    probe = folder / "direct-io-probe"
+    probe.write_bytes(b"")
+    try:
+        fd = open_direct(probe, os.O_RDONLY)
+        if fd is None:
+            return False
+        os.close(fd)
+        return True
+    finally:
+        probe.unlink()
 
 
 @pytest.fixture

@@ -414,11 +414,13 @@ def _kept_fold_in_unfinished_sidecar(out: Path) -> tuple[str, int] | None:
     return None
 
 
+@pytest.mark.parametrize("where", ["fold", "header"])
 def test_a_kept_fold_damaged_between_two_runs_is_folded_again_on_resume(
-    model: Path, reference: tuple[Path, dict[str, Any]], tmp_path: Path
+    model: Path, reference: tuple[Path, dict[str, Any]], tmp_path: Path, where: str
 ) -> None:
-    """The temporary sidecar of a killed run keeps its journaled folds; if one of their bytes is
-    damaged before the rerun, the resumed run must not carry it into the output."""
+    """The temporary sidecar of a killed run keeps its journaled folds; if one of their bytes, or
+    of the header in front of them, is damaged before the rerun, the resumed run must not carry it
+    into the output (a damaged header used to be kept: only the folds were checked)."""
     for attempt in range(20):
         out = tmp_path / f"out-{attempt}"
         if kill_when(spawn_convert(model, out), lambda: _kept_fold_in_unfinished_sidecar(out) is not None):
@@ -428,6 +430,7 @@ def test_a_kept_fold_damaged_between_two_runs_is_folded_again_on_resume(
     found = _kept_fold_in_unfinished_sidecar(out)
     assert found is not None
     tmp_name, offset = found
+    offset = offset if where == "fold" else 20  # inside the header's JSON
     with open(out / tmp_name, "r+b") as handle:
         handle.seek(offset)
         byte = handle.read(1)

@@ -12,26 +12,18 @@ from pathlib import Path
 import pytest
 
 from foldckpt.direct_io import (
-    ALIGN, DIRECT_CHUNK, BufferPool, DiskPriority, DurableAppender, direct_reader, open_direct, read_direct,
+    ALIGN, DIRECT_CHUNK, BufferPool, DiskPriority, DurableAppender, aligned_buffer, direct_reader, open_direct,
+    read_direct,
 )  # fmt: skip
 from foldckpt.hashing import HashJob, RangeCheck, hash_job, in_page_cache
+from tests.conftest import direct_io_supported
 
 PIECE = 1 << 20
 
 
-def _direct_supported(folder: Path) -> bool:
-    probe = folder / "probe"
-    probe.write_bytes(b"")
-    fd = open_direct(probe, os.O_RDONLY)
-    if fd is None:
-        return False
-    os.close(fd)
-    return True
-
-
 @pytest.fixture
 def data_file(tmp_path: Path) -> tuple[Path, bytes]:
-    if not _direct_supported(tmp_path):
+    if not direct_io_supported(tmp_path):
         pytest.skip("this filesystem has no O_DIRECT")
     data = os.urandom(3 * DIRECT_CHUNK + 12345)  # a partial last block
     path = tmp_path / "data.bin"
@@ -188,13 +180,38 @@ def test_a_truncated_appender_resumes_over_the_cut_with_the_kept_tail(tmp_path: 
 
 
 def test_durable_appends_bypass_the_page_cache_where_supported(tmp_path: Path) -> None:
-    if not _direct_supported(tmp_path):
+    if not direct_io_supported(tmp_path):
         pytest.skip("this filesystem has no O_DIRECT")
     path = tmp_path / "out.bin"
     appender = _appended(path, b"", [os.urandom(4 * DIRECT_CHUNK)])
     assert not in_page_cache(appender.fd, path.stat().st_size)
     appender.close()
     os.close(appender.fd)
+
+
+@pytest.mark.parametrize(("start", "size", "staged"), [
+    (0, 3 * ALIGN, 0),  # whole blocks from page-aligned memory at a block boundary: written as they are
+    (2 * ALIGN, 3 * ALIGN + 100, 100),  # the partial last block is staged
+    (5, 3 * ALIGN, 3 * ALIGN),  # behind a partial block of the file: every byte goes through the stage
+])  # fmt: skip
+def test_page_aligned_parts_are_written_without_a_staging_copy(tmp_path: Path, start: int, size: int, staged: int) -> None:
+    if not direct_io_supported(tmp_path):
+        pytest.skip("this filesystem has no O_DIRECT")
+    path = tmp_path / "out.bin"
+    head = os.urandom(start)
+    path.write_bytes(head)
+    fd = os.open(path, os.O_RDWR)
+    appender = DurableAppender(path, fd, start)
+    part = aligned_buffer(size)
+    part[:] = os.urandom(size)
+    before = appender.staged
+    appender.append([part])
+    assert appender.staged - before == staged
+    appender.append([memoryview(b"xyz")])  # plain memory: staged
+    assert appender.staged - before == staged + 3
+    appender.close()
+    os.close(fd)
+    assert path.read_bytes() == head + bytes(part) + b"xyz"
 
 
 def test_appends_with_a_priority_are_foreground_transfers(tmp_path: Path) -> None:
