@@ -105,6 +105,17 @@ def atomic_write_json(path: Path, data: Any) -> None:
         handle.write((json.dumps(data, indent=2, sort_keys=False) + "\n").encode("utf-8"))
 
 
+def parse_json(raw: bytes | str) -> Any:
+    """``json.loads`` whose every refusal of a malformed document is a ``ValueError`` (as
+    ``JSONDecodeError`` and ``UnicodeDecodeError`` are): a hostile file of a few hundred kB
+    otherwise escapes as ``RecursionError`` (arrays nested 100,000 deep) or, from an integer of
+    more than 4,300 digits, as a ``ValueError`` that names no position."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def read_json_file(path: Path, max_bytes: int, what: str, missing_hint: str = "") -> Any:
     """Parse a JSON file of at most ``max_bytes`` (a hostile file cannot exhaust memory)."""
     if path.exists() and not path.is_file():  # a FIFO or device would block or never end
@@ -119,8 +130,8 @@ def read_json_file(path: Path, max_bytes: int, what: str, missing_hint: str = ""
     if len(raw) > max_bytes:
         raise FoldckptError.at(path, f"larger than {max_bytes} bytes; not {what}")
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return parse_json(raw)
+    except ValueError as exc:
         raise FoldckptError.at(path, f"invalid JSON ({exc}); not {what}") from None
 
 

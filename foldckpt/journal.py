@@ -18,7 +18,7 @@ from typing import Any
 
 from foldckpt import __version__
 from foldckpt.errors import FoldckptError
-from foldckpt.files import atomic_write_json
+from foldckpt.files import atomic_write_json, parse_json
 from foldckpt.manifest import FORMAT_VERSION
 
 JOURNAL_NAME = ".foldckpt-journal.json"
@@ -90,7 +90,7 @@ class Journal:
     @classmethod
     def load(cls, path: Path) -> Journal:
         try:
-            data = json.loads(path.read_text())
+            data = parse_json(path.read_bytes())
             return cls(
                 path=path,
                 run_key=str(data["run_key"]),

@@ -32,7 +32,7 @@ from typing import Any
 from foldckpt import __version__
 from foldckpt.defaults import SCALED_FOLD_DTYPES
 from foldckpt.errors import FoldckptError, ManifestError
-from foldckpt.files import atomic_output
+from foldckpt.files import atomic_output, parse_json
 from foldckpt.geometry import Geometry
 from foldckpt.hashing import LEAF_RULE, RANK_RULE
 from foldckpt.safetensors_format import tensor_nbytes
@@ -293,7 +293,7 @@ def listed_files(out_dir: Path) -> list[str]:
     """The file names any foldckpt manifest in ``out_dir`` lists (format 1 included; nothing when it
     cannot be parsed): what ``convert --restart`` removes. Trusts nothing else in it."""
     try:
-        data = json.loads(_read_raw(Path(out_dir) / MANIFEST_NAME, Path(out_dir))[:_MAX_MANIFEST_BYTES])
+        data = parse_json(_read_raw(Path(out_dir) / MANIFEST_NAME, Path(out_dir))[:_MAX_MANIFEST_BYTES])
         return [name for name in data.get("source_files", {}) if isinstance(name, str)]
     except (FoldckptError, ValueError, AttributeError, TypeError):
         return []
@@ -316,8 +316,8 @@ def read_manifest(out_dir: Path, expect_sha256: str | None = None) -> Manifest:
     if len(raw) > _MAX_MANIFEST_BYTES:
         raise bad(f"larger than {_MAX_MANIFEST_BYTES} bytes; not a foldckpt manifest")
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = parse_json(raw)
+    except ValueError as exc:
         raise bad(f"invalid JSON ({exc}); damaged or edited after conversion") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         raise bad("not a foldckpt manifest (no \"format\": \"foldckpt\")")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from foldckpt.errors import FoldckptError
+from foldckpt.files import parse_json
 
 if TYPE_CHECKING:
     import torch
@@ -166,8 +167,8 @@ def read_header(path: Path) -> SafetensorsHeader:
     except IsADirectoryError:
         raise FoldckptError.at(path, "is a directory, expected a safetensors file") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = parse_json(raw.decode("utf-8"))
+    except ValueError as exc:
         raise _bad(path, f"header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
         raise _bad(path, "header is not a JSON object")

@@ -357,6 +357,33 @@ def index_invalid_json(model: Path) -> tuple[str, ...]:
     return INDEX_NAME, "invalid JSON"
 
 
+# JSON that Python's parser refuses with other exceptions than JSONDecodeError (they ended in exit 3)
+DEEPLY_NESTED = b"[" * 100_000 + b"]" * 100_000
+HUGE_INTEGER = b"1" * 5000  # over Python's 4,300-digit limit for int()
+
+
+def config_nested_too_deeply(model: Path) -> tuple[str, ...]:
+    (model / "config.json").write_bytes(b'{"architectures": ' + DEEPLY_NESTED + b"}")
+    return "config.json", "invalid JSON"
+
+
+def index_with_a_huge_integer(model: Path) -> tuple[str, ...]:
+    (model / INDEX_NAME).write_bytes(b'{"metadata": {"total_size": ' + HUGE_INTEGER + b'}, "weight_map": {}}')
+    return INDEX_NAME, "invalid JSON"
+
+
+def header_nested_too_deeply(model: Path) -> tuple[str, ...]:
+    _, data = split_file(model / SHARD)
+    write_file(model / SHARD, b'{"x": ' + DEEPLY_NESTED + b"}", data)
+    return SHARD, "not valid JSON"
+
+
+def header_with_a_huge_integer(model: Path) -> tuple[str, ...]:
+    _, data = split_file(model / SHARD)
+    write_file(model / SHARD, b'{"x": {"dtype": "BF16", "shape": [' + HUGE_INTEGER + b'], "data_offsets": [0, 2]}}', data)
+    return SHARD, "not valid JSON"
+
+
 def index_omits_a_tensor(model: Path) -> tuple[str, ...]:
     """A tensor a shard holds but the index does not map: loaders serve it all the same, and verify
     refused the output that convert made of it (it must be refused here, before any output)."""
@@ -372,7 +399,8 @@ UP_FRONT = [
     header_not_utf8, header_not_an_object, offsets_overlapping, offsets_beyond_the_file, offsets_wrong_size,
     index_missing_file, index_dot_dot, index_absolute_path, shard_symlink_outside, other_file_symlink_outside,
     fifo_in_model_dir, config_is_a_fifo, pickle_shards_only, index_points_at_a_pickle, config_dims_disagree,
-    config_heads_disagree, config_invalid_json, index_invalid_json, index_omits_a_tensor,
+    config_heads_disagree, config_invalid_json, index_invalid_json, index_omits_a_tensor, config_nested_too_deeply,
+    index_with_a_huge_integer, header_nested_too_deeply, header_with_a_huge_integer,
 ]  # fmt: skip
 
 

@@ -369,6 +369,20 @@ def test_cli_a_manifest_that_is_no_longer_json_fails_verification_naming_it(conv
     assert f"- {MANIFEST_NAME}: invalid JSON" in run.stdout and "Traceback" not in run.stdout + run.stderr
 
 
+@pytest.mark.parametrize("hostile", [b"[" * 100_000 + b"]" * 100_000, b'{"format": ' + b"7" * 5000 + b"}"],
+                         ids=["nested-too-deeply", "huge-integer"])  # fmt: skip
+def test_cli_a_manifest_python_cannot_parse_fails_verification_in_exit_1(converted: Converted, hostile: bytes) -> None:
+    """JSON that ``json.loads`` refuses with RecursionError or a digit-limit ValueError (not a
+    JSONDecodeError) used to end verify and inspect in exit 3, "internal error"."""
+    _, out_dir = converted("deepseek_v3")
+    (out_dir / MANIFEST_NAME).write_bytes(hostile)
+    run = run_foldckpt("verify", out_dir)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"- {MANIFEST_NAME}: invalid JSON" in run.stdout
+    inspected = run_foldckpt("inspect", out_dir)
+    assert inspected.returncode == 2 and "foldckpt.json: invalid JSON" in inspected.stderr, inspected.stderr
+
+
 @pytest.mark.parametrize("record", ["file", "sidecar", "head", "source"])
 def test_a_flipped_hex_digit_anywhere_in_the_manifest_fails_its_first_level(converted: Converted, record: str) -> None:
     _, out_dir = converted("kimi_k3", SMALL_SHARDS)
