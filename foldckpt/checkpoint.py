@@ -93,7 +93,19 @@ def _read_index(path: Path) -> dict[str, str]:
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise FoldckptError.at(path, "'weight_map' must map tensor names to file names")
+    for name, file in weight_map.items():
+        if stays_inside(file) and is_hidden(PurePosixPath(file)):
+            raise FoldckptError.at(
+                path, f"maps tensor '{name}' to {file!r}, inside a hidden entry, which a conversion does not carry "
+                "over (as .git and .cache); move the file", name,
+            )  # fmt: skip
     return weight_map
+
+
+def is_hidden(relative: PurePosixPath | Path) -> bool:
+    """Whether a path inside the model directory lies in a hidden entry (``.git``, ``.cache``...):
+    such entries are not part of the model, and are never placed in OUT_DIR."""
+    return any(part.startswith(".") for part in relative.parts)
 
 
 def _refuse_pickles(model_dir: Path) -> None:
@@ -167,7 +179,7 @@ def list_files_to_place(model_dir: Path, external_links: bool = False) -> list[s
     names: list[str] = []
     for path in sorted(model_dir.rglob("*")):
         relative = path.relative_to(model_dir)
-        if any(part.startswith(".") for part in relative.parts) or path.is_dir():
+        if is_hidden(relative) or path.is_dir():
             continue
         resolve_inside(model_dir, relative.as_posix(), str(model_dir), external_links)
         names.append(relative.as_posix())

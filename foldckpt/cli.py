@@ -40,7 +40,7 @@ from foldckpt.errors import (
     FoldckptError,
     Interrupted,
 )
-from foldckpt.files import LINK_MODES
+from foldckpt.files import LINK_MODES, json_safe
 from foldckpt.geometry import describe_layers
 from foldckpt.defaults import DEFAULT_FOLD_DEVICE, DEFAULT_FOLD_DTYPE, DEFAULT_MAX_SHARD_SIZE, FOLD_DEVICES, FOLD_DTYPE_NAMES
 from foldckpt.progress import human_bytes
@@ -93,7 +93,7 @@ def _parse_tp(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
 
 
 def _emit_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, default=str))
+    click.echo(json.dumps(json_safe(data), indent=2, default=str))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 
 # OpenMP threads that spin after every parallel region take the cycles the hashing threads need:
@@ -131,7 +132,7 @@ class ConvertResult:
 
     @property
     def worst_layer(self) -> LayerOutcome | None:
-        return max(self.layers, key=lambda layer: layer.rel_fro_error, default=None)
+        return max(self.layers, key=lambda layer: _nan_last(layer.rel_fro_error), default=None)
 
     def to_dict(self) -> dict[str, Any]:
         worst = self.worst_layer
@@ -143,6 +144,15 @@ class ConvertResult:
             "resumed_layers": [layer.index for layer in self.layers if layer.status == "resumed"],
             "worst_layer": worst.index if worst else None,
         }
+
+
+def _nan_last(error: float) -> float:
+    """A sort key under which a NaN error (a fold of NaN inputs) is the worst."""
+    return math.inf if math.isnan(error) else error
+
+
+def _worst(errors: Iterable[float]) -> float:
+    return max(errors, key=_nan_last, default=0.0)
 
 
 def _output_parameters(plan: ConversionPlan, options: ConvertOptions, device: str) -> dict[str, Any]:
@@ -602,7 +612,7 @@ def _write_shard(
             progress.offset = offset
             progress.tensors[record.name] = record.to_dict()
             journal.save()
-        bar.set_postfix(layer=layer_index, relerr=f"{record.error['rel_fro_error']:.1e}")
+        bar.set_postfix(layer=layer_index, relerr=f"{record.rel_fro_error:.1e}")
         bar.update(1)
 
     writing: Future[None] | None = None
@@ -676,7 +686,7 @@ def _outcomes(plan: ConversionPlan, manifest: Manifest, status: dict[str, str]) 
             is_mtp=layer.layer.is_mtp,
             tensor=layer.output.name,
             sidecar=manifest.tensors[layer.output.name].file,
-            rel_fro_error=float(manifest.tensors[layer.output.name].error["rel_fro_error"]),
+            rel_fro_error=manifest.tensors[layer.output.name].rel_fro_error,
             status=status.get(layer.output.name, "resumed"),
         )
         for layer in plan.layers
@@ -725,7 +735,7 @@ def _convert_locked(
         layers = _outcomes(plan, manifest, {layer.output.name: "up_to_date" for layer in plan.layers})
         return ConvertResult(
             out_dir, True, len(plan.layers), 0, 0, sidecars, plan.fold_bytes,
-            max_rel_error=max(layer.rel_fro_error for layer in layers),
+            max_rel_error=_worst(layer.rel_fro_error for layer in layers),
             elapsed_s=time.monotonic() - started, layers=layers, model=origin.label, source=source,
             fold_device=str(manifest.parameters.get("fold_device", device)), replaced=tuple(replaced),
         )  # fmt: skip
@@ -759,7 +769,7 @@ def _convert_locked(
         sidecars=sidecars,
         fold_bytes=plan.fold_bytes,
         placed=placed,
-        max_rel_error=max(layer.rel_fro_error for layer in layers),
+        max_rel_error=_worst(layer.rel_fro_error for layer in layers),
         elapsed_s=time.monotonic() - started,
         layers=layers,
         model=origin.label,

@@ -13,6 +13,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -114,6 +115,19 @@ def parse_json(raw: bytes | str) -> Any:
         return json.loads(raw)
     except RecursionError:
         raise ValueError("nested too deeply") from None
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None: JSON has no such numbers
+    (``json.dumps`` writes ``NaN``, which strict parsers, JavaScript's among them, refuse). Only
+    the errors of folds of NaN inputs (``--allow-nonfinite``) are such numbers."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
 
 
 def read_json_file(path: Path, max_bytes: int, what: str, missing_hint: str = "") -> Any:

@@ -107,6 +107,10 @@ class Geometry:
         """The one TP rule: a tensor-parallel size serves (and verifies) when it divides the heads."""
         return not isinstance(tp, bool) and isinstance(tp, int) and tp > 0 and self.num_heads % tp == 0
 
+    def tp_sizes(self) -> tuple[int, ...]:
+        """Every tensor-parallel size that serves this model (each divisor of the heads)."""
+        return tuple(tp for tp in range(1, self.num_heads + 1) if self.splits_heads(tp))
+
     def valid_tp_sizes(self, candidates: tuple[int, ...] = TP_CANDIDATES) -> tuple[int, ...]:
         """The candidate tensor-parallel sizes whose head split is exact."""
         return tuple(tp for tp in candidates if self.splits_heads(tp))

@@ -72,7 +72,7 @@ def inspect_dir(directory: Path | ModelSource) -> Inspection:
     fold_bytes = manifest.fold_bytes()
     mtp = {layer.index: layer.is_mtp for layer in manifest.geometry.layers}
     layers = tuple(
-        FoldedLayer(t.layer_index, mtp.get(t.layer_index, False), t.name, t.file, float(t.error.get("rel_fro_error", 0.0)))
+        FoldedLayer(t.layer_index, mtp.get(t.layer_index, False), t.name, t.file, t.rel_fro_error)
         for t in manifest.tensors.values()
     )
     return Inspection(

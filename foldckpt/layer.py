@@ -20,7 +20,11 @@ import torch
 
 from foldckpt.direct_io import aligned_buffer
 from foldckpt.errors import FoldckptError
+from foldckpt.defaults import SCALED_FOLD_DTYPES, fold_torch_dtype
 from foldckpt.fold import (
+    FP8_MAX,
+    ROUNDING_TOLERANCE,
+    FoldError,
     all_finite,
     dequantize_fp8_blocks,
     dequantize_fp8_rows,
@@ -28,6 +32,7 @@ from foldckpt.fold import (
     fold_layer,
     fold_layer_fp8,
     sample_heads,
+    within_one_rounding,
 )
 from foldckpt.hashing import head_digests
 from foldckpt.manifest import FoldTensor, ScaleTensor, SourceTensor
@@ -106,8 +111,53 @@ def check_fold_finite(
     if problem is not None:
         raise FoldckptError(
             f"{plan_layer_label(layer)}: {problem} (largest value {torch.finfo(fold.dtype).max:.6g}); "
-            "choose --fold-dtype bfloat16 or float32"
+            f"{_wider_fold_dtypes(fold_dtype)}"
         )
+
+
+def check_fold_scales(scale: torch.Tensor | None, layer: LayerPlan, fold_dtype: str) -> None:
+    """Refuse an fp8 fold with a row scale (``amax / 448``) below float32's normal range: there it
+    loses precision (the rows' values are then more than one rounding off, which ``verify --deep``
+    finds) or becomes 0 (and the row's values NaN, which would read as an overflow)."""
+    if scale is None:
+        return
+    tiny = torch.finfo(torch.float32).tiny
+    small = int((scale < tiny).sum())
+    if small:
+        raise FoldckptError(
+            f"{plan_layer_label(layer)}: {small} row scale(s) of the fp8 fold fall below float32's smallest normal "
+            f"number {tiny:.2e} (rows whose largest value is below {FP8_MAX * tiny:.2e}), where they lose their "
+            f"precision; {_wider_fold_dtypes(fold_dtype, precision=True)}"
+        )
+
+
+def check_fold_accuracy(error: FoldError, inputs: LayerInputs, layer: LayerPlan, fold_dtype: str) -> None:
+    """Refuse a fold farther from fp64 than one rounding to its dtype allows, the rule ``verify
+    --deep`` applies (:func:`~foldckpt.fold.within_one_rounding`), so that convert never writes a
+    fold its own verify rejects. With finite inputs and no overflow, what breaks it is underflow:
+    fp16's normal range ends at 6.1e-5, and the ql_nope rows of a model with small weights can lie
+    below it. Inputs with NaN or Inf (``--allow-nonfinite``) have no such bound."""
+    dtype = fold_torch_dtype(fold_dtype)
+    if within_one_rounding(error.rel_fro_error, dtype) or not (all_finite(inputs.q_b_proj) and all_finite(inputs.kv_b_proj)):
+        return
+    if fold_dtype in SCALED_FOLD_DTYPES:
+        why = "values far below the largest of their row keep too few of e4m3's bits"
+    else:
+        why = f"values below {fold_dtype}'s smallest normal number ({torch.finfo(dtype).tiny:.2e}) keep too few bits"
+    raise FoldckptError(
+        f"{plan_layer_label(layer)}: relative error vs fp64 {error.rel_fro_error:.2e} in its {error.worst_rows} rows "
+        f"is more than one rounding to {fold_dtype} costs ({ROUNDING_TOLERANCE[dtype]:.1e}): {why}; "
+        f"{_wider_fold_dtypes(fold_dtype, precision=True)}"
+    )
+
+
+def _wider_fold_dtypes(fold_dtype: str, precision: bool = False) -> str:
+    """What to do about a fold its dtype cannot hold: the dtypes with more range (bfloat16 has
+    float32's) or, for values that underflow (``precision``), more bits; none for float32."""
+    wider = {"fp8": "bfloat16 or float32", "float16": "bfloat16 or float32", "bfloat16": "float32" if precision else None}
+    if wider.get(fold_dtype) is None:
+        return "no fold dtype holds it: check the source weights"
+    return f"choose --fold-dtype {wider[fold_dtype]}"
 
 
 def plan_layer_label(layer: LayerPlan) -> str:
@@ -172,8 +222,10 @@ def fold_from_source(
     else:
         dtype = FOLD_DTYPES[plan.fold_dtype]
         fold = fold_layer(inputs.q_b_proj, inputs.kv_b_proj, geometry, dtype, device, None if out is None else out[0])
+    check_fold_scales(scale, layer, plan.fold_dtype)
     check_fold_finite(fold, inputs, layer, plan.fold_dtype, scale)
     error = fold_error(fold, inputs.q_b_proj, inputs.kv_b_proj, geometry, sample_heads(geometry.num_heads), scale)
+    check_fold_accuracy(error, inputs, layer, plan.fold_dtype)
     data = [tensor_to_bytes(fold)] + ([] if scale is None else [tensor_to_bytes(scale)])
     # each fold byte hashed once, head block by head block: any rank of any TP size checks its own
     leaves = [head_digests(part, geometry.num_heads, pool) for part in data]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,12 @@ class FoldTensor:
     sources: tuple[SourceTensor, ...]
     error: dict[str, Any]
     scale: ScaleTensor | None = None
+
+    @property
+    def rel_fro_error(self) -> float:
+        """The recorded relative error vs fp64; NaN where it is null (a fold of NaN inputs)."""
+        value = self.error.get("rel_fro_error")
+        return math.nan if value is None else float(value)
 
     def parts(self) -> list[FoldTensor | ScaleTensor]:
         """The tensors stored for this fold, in sidecar order: the fold, and an fp8 fold's scale."""

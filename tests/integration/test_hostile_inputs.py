@@ -384,6 +384,15 @@ def header_with_a_huge_integer(model: Path) -> tuple[str, ...]:
     return SHARD, "not valid JSON"
 
 
+def index_points_into_a_hidden_directory(model: Path) -> tuple[str, ...]:
+    """Hidden entries (.git, .cache) are never placed in OUT_DIR: convert said the shard
+    'disappeared while converting'."""
+    (model / ".hidden").mkdir()
+    (model / SHARD).rename(model / ".hidden" / SHARD)
+    edit_index(model, lambda weights: weights.update({k: f".hidden/{SHARD}" for k, v in weights.items() if v == SHARD}))
+    return INDEX_NAME, f"to '.hidden/{SHARD}', inside a hidden entry"
+
+
 def index_omits_a_tensor(model: Path) -> tuple[str, ...]:
     """A tensor a shard holds but the index does not map: loaders serve it all the same, and verify
     refused the output that convert made of it (it must be refused here, before any output)."""
@@ -400,7 +409,7 @@ UP_FRONT = [
     index_missing_file, index_dot_dot, index_absolute_path, shard_symlink_outside, other_file_symlink_outside,
     fifo_in_model_dir, config_is_a_fifo, pickle_shards_only, index_points_at_a_pickle, config_dims_disagree,
     config_heads_disagree, config_invalid_json, index_invalid_json, index_omits_a_tensor, config_nested_too_deeply,
-    index_with_a_huge_integer, header_nested_too_deeply, header_with_a_huge_integer,
+    index_with_a_huge_integer, header_nested_too_deeply, header_with_a_huge_integer, index_points_into_a_hidden_directory,
 ]  # fmt: skip
 
 
@@ -451,6 +460,19 @@ def test_nonfinite_weights_are_refused_unless_allowed(tensor: str, value: float,
     result = convert(model, out, ConvertOptions(allow_nonfinite=True, progress=False))
     assert result.layers_folded + result.layers_resumed == 2
     assert verify(out, VerifyOptions(progress=False)).ok
+    # What a layer of NaN inputs records is strict JSON (no bare NaN, which JavaScript's parser
+    # and others refuse): the manifest, and convert's and inspect's --json.
+    strict = {"parse_constant": lambda constant: pytest.fail(f"{constant} is not JSON")}
+    recorded = json.loads((out / MANIFEST_NAME).read_text(), **strict)
+    errors = [record["error_vs_fp64"]["rel_fro_error"] for record in recorded["tensors"].values()]
+    assert None in errors and all(error is None or error >= 0 for error in errors)
+    rerun = run_cli("convert", model, out, "--allow-nonfinite", "--json")
+    json.loads(rerun.stdout, **strict)
+    json.loads(run_cli("inspect", out, "--json").stdout, **strict)
+    # and verify --deep, which cannot bound NaN against fp64, compares those layers bitwise
+    deep = run_cli("verify", out, "--deep")
+    assert deep.returncode == 0, deep.stdout
+    assert "1 layer(s) with NaN/Inf inputs compared bitwise only" in deep.stdout
 
 
 # ----------------------------------------------------------------------------- full disk, too large

@@ -198,17 +198,90 @@ def test_rerun_refuses_a_source_edited_through_its_hard_link(model: Path, tmp_pa
 # 3. a fold that overflows its dtype
 
 
-def test_fold_overflowing_float16_is_an_error_naming_the_layer(tmp_path: Path) -> None:
-    model = make_checkpoint(tmp_path / "big", "deepseek_v3", shards=1)
+def scaled_model(tmp_path: Path, factor: float, layer: int = 1, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A one-shard DeepSeek-V3 checkpoint whose layer ``layer`` has q_b_proj and kv_b_proj times ``factor``."""
+    model = make_checkpoint(tmp_path / f"scaled-{factor:g}", "deepseek_v3", shards=1, dtype=dtype)
     shard = model / "model-00001-of-00001.safetensors"
     tensors = load_file(str(shard))
     for name in ("q_b_proj", "kv_b_proj"):
-        key = f"model.layers.1.self_attn.{name}.weight"
-        tensors[key] = (tensors[key].float() * 2000).to(tensors[key].dtype)
+        key = f"model.layers.{layer}.self_attn.{name}.weight"
+        tensors[key] = (tensors[key].double() * factor).to(tensors[key].dtype)
     save_file(tensors, str(shard), metadata={"format": "pt"})
+    return model
+
+
+@pytest.mark.parametrize(("fold_dtype", "factor", "advice"), [
+    ("float16", 2000, "choose --fold-dtype bfloat16 or float32"),
+    ("float32", 1e20, "no fold dtype holds it"),  # the fp32 accumulation itself overflows: no wider dtype helps
+])  # fmt: skip
+def test_fold_overflowing_its_dtype_is_an_error_naming_the_layer(tmp_path: Path, fold_dtype: str, factor: float, advice: str) -> None:
+    model = scaled_model(tmp_path, factor)
+    line = one_error_line(run_foldckpt("convert", model, tmp_path / "out", "--fold-dtype", fold_dtype, "-q"))
+    assert "MLA layer 1" in line and f"overflows {fold_dtype}" in line and advice in line, line
+    if fold_dtype == "float16":
+        assert run_foldckpt("convert", model, tmp_path / "out", "--fold-dtype", "float32", "-q", "--restart").returncode == 0
+
+
+def test_fold_underflowing_float16_is_an_error_naming_the_layer_and_its_rows(tmp_path: Path) -> None:
+    """Weights 100x smaller: q_pe (W_qb_pe, about 1e-3) is still normal in fp16, but W_UKᵀ·W_qb_nope
+    (about 1e-5) lies below fp16's smallest normal number 6.1e-5 and keeps only a few bits. convert
+    stored it (recording 4e-4, behind exact q_pe rows) and verify --deep accepted it."""
+    model = scaled_model(tmp_path, 0.01, dtype=torch.float32)
     line = one_error_line(run_foldckpt("convert", model, tmp_path / "out", "--fold-dtype", "float16", "-q"))
-    assert "MLA layer 1" in line and "overflows float16" in line and "--fold-dtype" in line, line
-    assert run_foldckpt("convert", model, tmp_path / "out", "--fold-dtype", "float32", "-q", "--restart").returncode == 0
+    assert "MLA layer 1" in line and "in its ql_nope rows" in line and "float16's smallest normal" in line, line
+    assert "choose --fold-dtype bfloat16 or float32" in line, line
+    assert run_foldckpt("convert", model, tmp_path / "out", "--fold-dtype", "bfloat16", "-q", "--restart").returncode == 0
+    assert verify_cli(tmp_path / "out", "--deep").returncode == 0
+
+
+def test_verify_deep_fails_on_a_fold_whose_ql_nope_rows_underflowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An output made without the convert-time check (an older foldckpt): the deep level measures
+    the ql_nope rows on their own and refuses them."""
+    import foldckpt.layer
+
+    monkeypatch.setattr(foldckpt.layer, "check_fold_accuracy", lambda *a: None)
+    model = scaled_model(tmp_path, 0.01, dtype=torch.float32)
+    convert(model, tmp_path / "out", ConvertOptions(fold_dtype="float16", progress=False))
+    run = verify_cli(tmp_path / "out", "--deep")
+    assert run.returncode == 1, run.stdout
+    assert "'model.layers.1.self_attn.q_fold.weight' is not the fold of its sources rounded once" in run.stdout, run.stdout
+
+
+def test_an_fp8_fold_whose_row_scales_would_underflow_float32_is_refused(tmp_path: Path) -> None:
+    """Row scales are amax/448: rows whose values are about 1e-40 get a subnormal scale (a few
+    bits) or 0 (and NaN values, which read as an overflow)."""
+    model = scaled_model(tmp_path, 1e-19, dtype=torch.float32)
+    line = one_error_line(run_foldckpt("convert", model, tmp_path / "out", "--fold-dtype", "fp8", "-q"))
+    assert "MLA layer 1" in line and "row scale(s) of the fp8 fold fall below float32's smallest normal" in line, line
+
+
+def test_verify_deep_fails_on_a_float32_fold_with_one_element_off_by_800_ulps(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One element 1e-4 (relative) off moves a float32 fold's relative error by less than its
+    1e-6 tolerance; the per-element bound, once kept for bf16/fp16 folds, covers fp32 too."""
+    import foldckpt.layer
+    from foldckpt.fold import fold_layer
+
+    def edited(*args: object, **kwargs: object) -> torch.Tensor:
+        fold = fold_layer(*args, **kwargs)  # type: ignore[arg-type]
+        fold[3, 7] *= 1 + 1e-4
+        return fold
+
+    monkeypatch.setattr(foldckpt.layer, "fold_layer", edited)
+    out = tmp_path / "out"
+    convert(model, out, ConvertOptions(fold_dtype="float32", progress=False))
+    run = verify_cli(out, "--deep")
+    assert run.returncode == 1, run.stdout
+    assert "element(s) beyond one rounding of the fp64 fold" in run.stdout and "tolerance 1.0e-06" in run.stdout, run.stdout
+
+
+def test_an_all_zero_layer_converts_and_verifies_deep(tmp_path: Path) -> None:
+    """Its fold is exactly zero; verify --deep's probe divided 0 by 0 and failed it."""
+    model = scaled_model(tmp_path, 0.0)
+    assert run_foldckpt("convert", model, tmp_path / "out", "-q").returncode == 0
+    run = verify_cli(tmp_path / "out", "--deep")
+    assert run.returncode == 0, run.stdout
 
 
 def test_verify_deep_fails_on_a_fold_with_inf(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -223,6 +296,7 @@ def test_verify_deep_fails_on_a_fold_with_inf(model: Path, tmp_path: Path, monke
 
     monkeypatch.setattr(foldckpt.layer, "fold_layer", overflowing)
     monkeypatch.setattr(foldckpt.layer, "check_fold_finite", lambda *a: None)
+    monkeypatch.setattr(foldckpt.layer, "check_fold_accuracy", lambda *a: None)  # its error is Inf too
     out = tmp_path / "out"
     convert(model, out, ConvertOptions(fold_dtype="float16", progress=False))
     run = verify_cli(out, "--deep")

@@ -71,6 +71,33 @@ def test_fold_error_reports_a_corrupted_head() -> None:
     assert probe_error(fold, q_b, kv_b, TINY) > 1e-4
 
 
+def test_fold_error_measures_the_ql_nope_and_q_pe_rows_apart() -> None:
+    """A fold whose ql_nope rows are 30% off behind exact, 100x larger q_pe rows: one norm over
+    the head (the old measure) saw about 3e-4; each group's own norm sees the 30%."""
+    q_b, kv_b = random_weights(TINY, dtype=torch.float32)
+    q_b = q_b.reshape(TINY.num_heads, -1, TINY.q_lora_rank)
+    q_b[:, TINY.qk_nope_head_dim :] *= 100  # large q_pe rows; ql_nope is unchanged
+    q_b = q_b.reshape(TINY.q_b_proj_shape)
+    fold = fold_layer(q_b, kv_b, TINY, torch.float32).reshape(TINY.num_heads, TINY.fold_head_dim, -1)
+    fold[:, : TINY.kv_lora_rank] *= 0.7
+    error = fold_error(fold.reshape(TINY.fold_shape), q_b, kv_b, TINY, (0, 7))
+    assert error.rows["ql_nope"] == pytest.approx(0.3, rel=1e-4) and error.rows["q_pe"] < 1e-7
+    assert error.rel_fro_error == error.rows["ql_nope"] and error.worst_rows == "ql_nope"
+    # independently: the relative error of the whole heads, which the old measure reported
+    whole = torch.stack([fold[h].double() - fp64_fold_of_head(q_b, kv_b, TINY, h) for h in (0, 7)]).norm()
+    assert whole / torch.stack([fp64_fold_of_head(q_b, kv_b, TINY, h) for h in (0, 7)]).norm() < 0.01
+
+
+def test_an_all_zero_layer_folds_exactly_with_zero_errors() -> None:
+    """Zero weights give a zero fold, whose relative errors are defined as 0 (the probe divided by
+    the reference's norm, 0, and called the exact fold NaN)."""
+    q_b, kv_b = torch.zeros(TINY.q_b_proj_shape), torch.zeros(TINY.kv_b_proj_shape)
+    fold = fold_layer(q_b, kv_b, TINY, torch.bfloat16)
+    assert not fold.any()
+    assert fold_error(fold, q_b, kv_b, TINY, (0, 7)).rel_fro_error == 0.0
+    assert probe_error(fold, q_b, kv_b, TINY) == 0.0
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_tp_row_slices_are_exactly_each_ranks_heads(tp: int) -> None:
     g = TINY

@@ -111,3 +111,18 @@ def test_kimi_k3_block_size_is_checked_where_it_is_given() -> None:
     with pytest.raises(FoldckptError, match=r"config.json: 'quantization_config.weight_block_size' must be") as info:
         geometry_from_config(config)
     assert "text_config" not in str(info.value)
+
+
+def test_every_divisor_of_the_heads_is_a_tp_size_and_verify_names_each_rank_a_bad_head_hits() -> None:
+    """TP 3 and 6 serve a 6-head model as TP 2 does: verify's "rank slices affected" listed only
+    1, 2, 4, 8 and 16, so an operator on TP 3 was told nothing about their rank."""
+    from types import SimpleNamespace
+
+    from foldckpt.verify import _ranks_affected
+
+    config = copy.deepcopy(DEEPSEEK_V3)
+    config["num_attention_heads"] = 6
+    geometry = geometry_from_config(config)
+    assert geometry.tp_sizes() == (1, 2, 3, 6)
+    assert geometry_from_config(KIMI_K3).tp_sizes() == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96)
+    assert _ranks_affected(SimpleNamespace(geometry=geometry), [4]) == "0/1, 1/2, 2/3, 4/6"  # type: ignore[arg-type]
