@@ -40,6 +40,7 @@ from foldckpt.errors import (
     FoldckptError,
     Interrupted,
 )
+from foldckpt import signals
 from foldckpt.files import LINK_MODES, json_safe
 from foldckpt.geometry import describe_layers
 from foldckpt.defaults import DEFAULT_FOLD_DEVICE, DEFAULT_FOLD_DTYPE, DEFAULT_MAX_SHARD_SIZE, FOLD_DEVICES, FOLD_DTYPE_NAMES
@@ -399,13 +400,6 @@ def _write_traceback() -> str:
     return path
 
 
-def _on_signal(signum: int, frame: object) -> None:
-    # A second signal while this one unwinds kills at once: every step is durable, nothing is lost.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise Interrupted(signum, signal.Signals(signum).name)
-
-
 def _run(args: list[str]) -> Any:
     """The command, then the garbage collector frozen: all that follows is output and exit, and the
     interpreter's teardown would otherwise collect every object torch's import made (once a
@@ -429,8 +423,7 @@ def main(args: list[str] | None = None) -> None:
     # turned the EPIPE into exit 1, "verification failed"; a cut-short verify must not read as a
     # result, and every step of convert is durable (the rerun resumes).
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
+    signals.install()
     try:
         code = _run(args)
     except click.UsageError as exc:

@@ -75,6 +75,7 @@ from foldckpt.plan import (
 )
 from foldckpt.progress import progress_bar
 from foldckpt.sidecar import ShardWriter
+from foldckpt.signals import import_torch
 from foldckpt.source_reads import IOCounters, SourceReads
 
 if TYPE_CHECKING:
@@ -167,16 +168,25 @@ def _output_parameters(plan: ConversionPlan, options: ConvertOptions, device: st
 
 
 def _clear_previous_run(out_dir: Path, placed: Iterable[str]) -> None:
-    """Remove what an earlier run wrote: manifest, journal, sidecars and the source files it placed
-    (``placed``: links or copies inside OUT_DIR, never the originals), so that a restart onto
+    """Remove what an earlier run wrote: sidecars, the source files it placed (``placed``: links or
+    copies inside OUT_DIR, never the originals), journal and manifest, so that a restart onto
     another model leaves nothing of the old one behind. Names whose text leaves OUT_DIR are not
-    touched; a placed symlink is removed itself, whatever it points to."""
+    touched; a placed symlink is removed itself, whatever it points to. The journal and the
+    manifest go last: a restart killed midway leaves OUT_DIR still reading as a foldckpt output,
+    which the same command then clears (removed first, the rest read as foreign files)."""
     sources = [out_dir / name for name in placed if stays_inside(name)]
     for path in [
-        out_dir / MANIFEST_NAME, out_dir / JOURNAL_NAME, *out_dir.glob(f"{SIDECAR_PREFIX}*.safetensors"), *sources
+        *out_dir.glob(f"{SIDECAR_PREFIX}*.safetensors"), *sources, out_dir / JOURNAL_NAME, out_dir / MANIFEST_NAME
     ]:  # fmt: skip
         path.unlink(missing_ok=True)
     remove_stale_tmp_files(out_dir)
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError as exc:
+        raise os_error(path, exc, "removing") from None
 
 
 def _holds_foreign_files(out_dir: Path) -> bool:
@@ -202,11 +212,28 @@ def _generated_files(plan: ConversionPlan) -> dict[str, bytes]:
 
 
 def _check_overlap(model_dir: Path, out_dir: Path) -> None:
+    """Refuse an OUT_DIR that is, contains, or lies inside MODEL_DIR, by path and by identity
+    (device and inode): through a bind mount the same directory has a path of its own, and
+    convert wrote its sidecars into MODEL_DIR, or carried a whole output along in it."""
     source, target = model_dir.resolve(), out_dir.resolve()
-    if target == source or target.is_relative_to(source) or source.is_relative_to(target):
+    by_path = target == source or target.is_relative_to(source) or source.is_relative_to(target)
+    if by_path or _identity(source) in _identities(target) or _identity(target) in _identities(source):
         raise FoldckptError(
             f"{out_dir}: the output must not be, contain, or lie inside the model directory {model_dir}"
         )
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
+
+
+def _identities(path: Path) -> set[tuple[int, int] | None]:
+    """The identities of ``path`` and of each of its parents that exist."""
+    return {identity for identity in map(_identity, [path, *path.parents]) if identity is not None}
 
 
 def _hard_link_note(out_path: Path, src_path: Path) -> str:
@@ -364,7 +391,8 @@ def _prepare_out_dir(
         else:
             manifest = read_manifest(out_dir)
             if manifest.parameters.get("run_key") == key:
-                journal_path.unlink(missing_ok=True)
+                if journal_path.exists():  # only then: removing nothing fails too on a read-only filesystem
+                    _remove(journal_path)
                 return _recheck_manifest(plan, out_dir, manifest, key, generated)
             raise FoldckptError(
                 f"{out_dir}: holds a finished conversion of other inputs or parameters; "
@@ -538,7 +566,8 @@ def _hash_and_fold(
         reads.start(feeding_pool, other_pool)
         try:
             with _collector_paused():
-                from foldckpt.layer import FoldBuffers  # torch: only once there is something to fold
+                import_torch()  # only once there is something to fold
+                from foldckpt.layer import FoldBuffers
 
                 require_fold_device(device, "nothing was folded: rerun with --device cpu or auto, and --restart")
                 buffers = FoldBuffers()
@@ -598,7 +627,10 @@ def _write_shard(
     writer = ShardWriter(out_dir / shard.name, shard.specs, SIDECAR_METADATA, progress.offset, priority)
     if progress.offset == 0:
         counters.add(written=writer.offset)
-    if writer.offset != progress.offset or not _prefix_intact(writer, progress, plan.geometry.num_heads):
+    if (
+        writer.offset != progress.offset or not _journal_matches_layout(writer, progress, shard)
+        or not _prefix_intact(writer, progress, plan.geometry.num_heads)
+    ):  # fmt: skip
         with journal.lock:  # nothing usable on disk: start the shard over
             progress.tensors.clear()
             progress.offset = writer.restart()
@@ -647,6 +679,17 @@ def _write_shard(
         writer.close()
         counters.add(staged=writer.staged)
     return folded
+
+
+def _journal_matches_layout(writer: ShardWriter, progress: ShardProgress, shard: ShardPlan) -> bool:
+    """Whether the journal's folds of a resumed shard are its first layers and its offset is where
+    they end. An edited journal said otherwise (one fold dropped, the offset kept): the resumed run
+    appended after the offset and every rerun ended in "wrote N of M bytes", an internal error."""
+    kept = len(progress.tensors)
+    if set(progress.tensors) != {layer.output.name for layer in shard.layers[:kept]}:
+        return False
+    end = writer.layout[shard.layers[kept - 1].outputs[-1].name].end if kept else writer.header_size
+    return progress.offset == end
 
 
 def _prefix_intact(writer: ShardWriter, progress: ShardProgress, heads: int) -> bool:

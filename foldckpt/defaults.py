@@ -71,7 +71,9 @@ def resolve_fold_device(name: str) -> str:
         if not any(os.path.exists(path) for path in GPU_DEVICE_FILES):
             require_fold_device("cuda")  # no device file: ask torch now, before the run starts
         return "cuda"
-    import torch
+    from foldckpt.signals import import_torch
+
+    torch = import_torch()
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -83,7 +85,9 @@ def require_fold_device(device: str, advice: str = "use --device cpu or auto") -
 
     if device != "cuda":
         return
-    import torch
+    from foldckpt.signals import import_torch
+
+    torch = import_torch()
 
     if not torch.cuda.is_available():
         raise FoldckptError(

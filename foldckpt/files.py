@@ -75,11 +75,17 @@ def os_error(path: Path, exc: OSError, action: str) -> FoldckptError:
 
 @contextmanager
 def atomic_output(path: Path) -> Iterator[BinaryIO]:
-    """Open ``path`` for writing so that it appears only complete and durable, or not at all."""
+    """Open ``path`` for writing so that it appears only complete and durable, or not at all.
+
+    The temporary file is made anew (``O_EXCL | O_NOFOLLOW``, after removing whatever has its
+    name): opened plainly, a symlink planted at that name in OUT_DIR had convert write its journal
+    through it, onto a file anywhere."""
     path = Path(path)
     tmp = tmp_path_for(path)
     try:
-        with open(tmp, "wb") as handle:
+        tmp.unlink(missing_ok=True)  # a leftover of a killed write, or a planted link: not followed
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        with os.fdopen(fd, "wb") as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())

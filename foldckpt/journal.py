@@ -102,7 +102,7 @@ class Journal:
                 source_hashes=dict(data["source_hashes"]),
                 fingerprints=dict(data.get("fingerprints", {})),
             )
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # any shape but the right one
             raise FoldckptError(
                 f"{path}: unreadable resume journal ({exc}); pass --restart to start over"
             ) from None

@@ -63,6 +63,7 @@ from foldckpt.hashing import (
 from foldckpt.manifest import MANIFEST_NAME, Manifest, SourceTensor, file_sha256, read_manifest
 from foldckpt.progress import progress_bar
 from foldckpt.safetensors_format import read_header, read_tensor_bytes
+from foldckpt.signals import import_torch
 
 # torch (and the fold math) is imported by the deep level only: the cheaper levels read headers
 # and hash bytes, and start in a fraction of the time torch takes to import.
@@ -363,7 +364,7 @@ def _bitwise_equal(a: Any, b: Any) -> bool:
 
 
 def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> LevelResult:
-    import torch
+    torch = import_torch()
 
     from foldckpt.defaults import fold_torch_dtype
     from foldckpt.fold import (

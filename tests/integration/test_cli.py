@@ -216,6 +216,37 @@ def fake_torch(root: Path, body: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(REPO)])}
 
 
+# A torch whose import takes a while and, as torch's own import does in places, swallows any
+# exception raised meanwhile (bare except): what a signal handler raised there was lost.
+SLOW_SWALLOWING_TORCH = """
+import sys, time
+print("torch import started", file=sys.stderr, flush=True)
+deadline = time.monotonic() + 2
+while time.monotonic() < deadline:
+    try:
+        time.sleep(0.01)
+    except:  # noqa: E722
+        pass
+"""
+
+
+def test_a_signal_during_torch_s_import_is_raised_once_the_import_is_done(deepseek: tuple[Path, Path], tmp_path: Path) -> None:
+    """SIGTERM while verify --deep imports torch: exit 143 with its one line once the import
+    ends. Before, the handler's exception was raised inside the import and swallowed there (a
+    convert then ran to the end, exit 0) or left torch half-imported (exit 3)."""
+    _, reference = deepseek
+    env = fake_torch(tmp_path / "site", SLOW_SWALLOWING_TORCH)
+    args = [sys.executable, "-m", "foldckpt", "verify", str(reference), "--deep", "-q"]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert process.stderr is not None
+    assert process.stderr.readline().strip() == "torch import started"
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, (process.returncode, stdout, stderr)
+    assert stderr.splitlines() == ["foldckpt: interrupted by SIGTERM"]
+    assert "ok   content" in stdout and "verified" not in stdout
+
+
 def test_an_internal_error_exits_3_in_one_line_naming_the_traceback_file(kimi: Path, tmp_path: Path) -> None:
     env = fake_torch(tmp_path / "site", "raise RuntimeError('this torch build is broken')\n")
     env["TMPDIR"] = str(tmp_path / "tmp")

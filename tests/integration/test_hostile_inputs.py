@@ -661,3 +661,67 @@ def test_unreadable_file_is_refused_in_one_line(
     assert file in line and "permission denied" in line.lower(), line
     assert out.exists() != before_output
     assert_not_accepted(out)
+
+
+# ----------------------------------------------------------------------------- OUT_DIR aliases, rereads
+
+
+def test_rerunning_convert_on_a_finished_read_only_output_says_nothing_to_do(model: Path, read_only_dir: Path) -> None:
+    """Removing a journal that is not there failed with EROFS: exit 3, an internal error."""
+    subprocess.run(["mount", "-o", "remount,bind,rw", read_only_dir], check=True)
+    out = read_only_dir / "out"
+    convert(model, out, ConvertOptions(link="copy", progress=False))
+    subprocess.run(["mount", "-o", "remount,bind,ro", read_only_dir], check=True)
+    run = run_cli("convert", model, out, "--link", "copy", "-q")
+    assert run.returncode == 0, run.stderr
+    assert "already converted with these inputs and parameters; nothing to do" in run.stdout
+
+
+@pytest.fixture()
+def bind_alias(model: Path, tmp_path: Path) -> Iterator[Path]:
+    """MODEL_DIR under a second path (a bind mount; root with CAP_SYS_ADMIN only, as above)."""
+    alias = tmp_path / "alias"
+    alias.mkdir()
+    mounted = subprocess.run(["mount", "--bind", model, alias], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot bind-mount ({mounted.stderr.strip()})")
+    try:
+        yield alias
+    finally:
+        subprocess.run(["umount", "-l", str(alias)], check=False)
+
+
+@pytest.mark.parametrize("where", ["itself", "inside"])
+def test_an_out_dir_that_is_the_model_directory_under_another_path_is_refused(
+    model: Path, bind_alias: Path, where: str
+) -> None:
+    """By path the two differ, so convert wrote its sidecars and manifest into MODEL_DIR (with
+    --overwrite), or an output inside it, which later conversions of MODEL_DIR carried along."""
+    before = sorted(p.name for p in model.iterdir())
+    out = bind_alias if where == "itself" else bind_alias / "sub"
+    line = error_line(run_cli("convert", model, out, "-q", "--overwrite"))
+    assert "the output must not be, contain, or lie inside the model directory" in line, line
+    assert sorted(p.name for p in model.iterdir()) == before
+
+
+def test_a_symlink_planted_at_the_journal_s_temporary_name_is_not_written_through(model: Path, tmp_path: Path) -> None:
+    """The journal is written to a temporary file first; opened plainly, a symlink at its name had
+    convert write the journal onto the file it points to, anywhere."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / f".{JOURNAL_NAME}.foldckpt-tmp").symlink_to(victim)
+    assert run_cli("convert", model, out, "-q").returncode == 0
+    assert victim.read_text() == "precious\n"
+    assert_verified(out)
+
+
+def test_a_journal_of_the_wrong_shape_is_one_line_not_an_internal_error(model: Path, tmp_path: Path) -> None:
+    """A resume journal that parses as JSON but has another shape ("shards": [1, 2]) was an
+    AttributeError, exit 3."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / JOURNAL_NAME).write_text(json.dumps({"run_key": "x", "placed": {}, "source_hashes": {}, "shards": [1, 2]}))
+    line = error_line(run_cli("convert", model, out, "-q"))
+    assert f"{out / JOURNAL_NAME}: unreadable resume journal" in line and "--restart" in line, line

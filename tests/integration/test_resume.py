@@ -414,13 +414,15 @@ def _kept_fold_in_unfinished_sidecar(out: Path) -> tuple[str, int] | None:
     return None
 
 
-@pytest.mark.parametrize("where", ["fold", "header"])
+@pytest.mark.parametrize("where", ["fold", "header", "journal"])
 def test_a_kept_fold_damaged_between_two_runs_is_folded_again_on_resume(
     model: Path, reference: tuple[Path, dict[str, Any]], tmp_path: Path, where: str
 ) -> None:
     """The temporary sidecar of a killed run keeps its journaled folds; if one of their bytes, or
     of the header in front of them, is damaged before the rerun, the resumed run must not carry it
-    into the output (a damaged header used to be kept: only the folds were checked)."""
+    into the output (a damaged header used to be kept: only the folds were checked). Nor may a
+    journal whose folds no longer end at its offset (a fold's entry removed by hand, the offset
+    kept): the rerun appended after the offset, and every rerun ended in exit 3."""
     for attempt in range(20):
         out = tmp_path / f"out-{attempt}"
         if kill_when(spawn_convert(model, out), lambda: _kept_fold_in_unfinished_sidecar(out) is not None):
@@ -430,6 +432,14 @@ def test_a_kept_fold_damaged_between_two_runs_is_folded_again_on_resume(
     found = _kept_fold_in_unfinished_sidecar(out)
     assert found is not None
     tmp_name, offset = found
+    if where == "journal":
+        journal = json.loads((out / JOURNAL_NAME).read_text())
+        shard = next(s for s in journal["shards"].values() if s["tensors"] and s["done"] is None)
+        shard["tensors"].pop(next(iter(shard["tensors"])))
+        (out / JOURNAL_NAME).write_text(json.dumps(journal))
+        resume_in_process(model, out)
+        assert_identical(out, reference[0])
+        return
     offset = offset if where == "fold" else 20  # inside the header's JSON
     with open(out / tmp_name, "r+b") as handle:
         handle.seek(offset)
@@ -438,3 +448,37 @@ def test_a_kept_fold_damaged_between_two_runs_is_folded_again_on_resume(
         handle.write(bytes([byte[0] ^ 0x10]))
     resume_in_process(model, out)
     assert_identical(out, reference[0])
+
+
+# SIGKILL at the Nth file removal: a real kill -9 at an exact point of --restart's clearing.
+_KILLED_AT_UNLINK = """
+import os, pathlib, signal, sys
+left = int(sys.argv[1])
+real_unlink = pathlib.Path.unlink
+def unlink(self, missing_ok=False):
+    global left
+    real_unlink(self, missing_ok=missing_ok)
+    left -= 1
+    if left == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+pathlib.Path.unlink = unlink
+from foldckpt.cli import main
+main(sys.argv[2:])
+"""
+
+
+@pytest.mark.parametrize("removals", [1, 2, 5])
+def test_a_restart_killed_while_clearing_the_old_output_is_finished_by_the_same_command(
+    model: Path, reference: tuple[Path, dict[str, Any]], tmp_path: Path, removals: int
+) -> None:
+    """--restart removed the manifest and journal first: killed right after, OUT_DIR held sidecars
+    and sources and nothing that said whose, and the same --restart refused it as foreign files."""
+    out = tmp_path / "out"
+    shutil.copytree(reference[0], out)
+    args = [*convert_args(model, out), "--fold-dtype", "float32", "--restart"]
+    killed = subprocess.run([sys.executable, "-c", _KILLED_AT_UNLINK, str(removals), *args], capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    rerun = run_foldckpt(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    assert read_manifest(out).fold_dtype == "float32"
+    assert verify(out, VerifyOptions(progress=False)).ok

@@ -1,0 +1,55 @@
+"""SIGINT and SIGTERM: raised as :class:`~foldckpt.errors.Interrupted` in the main thread, except
+while torch is being imported, when they wait until the import is complete.
+
+Why the exception: every step of a conversion is durable, so unwinding from wherever the signal
+lands loses nothing and the command can say so (exit 130 / 143, "rerun to resume"). Why not during
+torch's import: it runs C++ static initialisers and Python code with bare ``except:`` clauses, and
+an exception raised by a signal handler in the middle of it was swallowed (convert then ran to the
+end, exit 0, the signal lost) or left torch half-imported (exit 3: "module 'numpy' has no
+attribute 'ndarray'", "CPU dispatcher tracer already initialized"): about one signal in eight
+sent at start-up. :func:`import_torch` is how foldckpt's commands import torch.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType, ModuleType
+
+from foldckpt.errors import Interrupted
+
+_deferring = 0
+_pending: list[int] = []
+
+
+def install() -> None:
+    """Route SIGINT and SIGTERM to :func:`_on_signal` (the command line does, at start)."""
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    # A second signal while this one unwinds (or waits) kills at once: every step is durable.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if _deferring:
+        _pending.append(signum)
+        return
+    raise Interrupted(signum, signal.Signals(signum).name)
+
+
+def import_torch() -> ModuleType:
+    """``import torch``, with a SIGINT or SIGTERM that arrives meanwhile raised once it is done."""
+    global _deferring
+    if "torch" in sys.modules and not getattr(sys.modules["torch"].__spec__, "_initializing", False):
+        return sys.modules["torch"]
+    _deferring += 1
+    try:
+        import torch
+    finally:
+        _deferring -= 1
+    if _pending and not _deferring:
+        signum = _pending.pop(0)
+        _pending.clear()
+        raise Interrupted(signum, signal.Signals(signum).name)
+    return torch
