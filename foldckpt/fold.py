@@ -261,7 +261,7 @@ def fold_error(
             sums[part][0] += float(diff[:, rows].square().sum())
             sums[part][1] += float(reference[:, rows].square().sum())
         max_abs = max(max_abs, float(diff.abs().max()) if diff.numel() else 0.0)
-    rows = {part: math.sqrt(diff_sq / ref_sq) if ref_sq else math.sqrt(diff_sq) for part, (diff_sq, ref_sq) in sums.items()}
+    rows = {part: math.sqrt(diff_sq / ref_sq if ref_sq else diff_sq) for part, (diff_sq, ref_sq) in sums.items()}
     worst = math.nan if any(math.isnan(value) for value in rows.values()) else max(rows.values())
     return FoldError(heads=heads, rel_fro_error=worst, max_abs_error=max_abs, rows=rows)
 

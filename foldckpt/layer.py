@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from foldckpt.defaults import SCALED_FOLD_DTYPES, fold_torch_dtype
 from foldckpt.direct_io import aligned_buffer
 from foldckpt.errors import FoldckptError
-from foldckpt.defaults import SCALED_FOLD_DTYPES, fold_torch_dtype
 from foldckpt.fold import (
     FP8_MAX,
     ROUNDING_TOLERANCE,
@@ -138,8 +138,10 @@ def check_fold_accuracy(error: FoldError, inputs: LayerInputs, layer: LayerPlan,
     fp16's normal range ends at 6.1e-5, and the ql_nope rows of a model with small weights can lie
     below it. Inputs with NaN or Inf (``--allow-nonfinite``) have no such bound."""
     dtype = fold_torch_dtype(fold_dtype)
-    if within_one_rounding(error.rel_fro_error, dtype) or not (all_finite(inputs.q_b_proj) and all_finite(inputs.kv_b_proj)):
+    if within_one_rounding(error.rel_fro_error, dtype):
         return
+    if not (all_finite(inputs.q_b_proj) and all_finite(inputs.kv_b_proj)):
+        return  # NaN/Inf inputs, let through by --allow-nonfinite
     if fold_dtype in SCALED_FOLD_DTYPES:
         why = "values far below the largest of their row keep too few of e4m3's bits"
     else:
@@ -154,7 +156,8 @@ def check_fold_accuracy(error: FoldError, inputs: LayerInputs, layer: LayerPlan,
 def _wider_fold_dtypes(fold_dtype: str, precision: bool = False) -> str:
     """What to do about a fold its dtype cannot hold: the dtypes with more range (bfloat16 has
     float32's) or, for values that underflow (``precision``), more bits; none for float32."""
-    wider = {"fp8": "bfloat16 or float32", "float16": "bfloat16 or float32", "bfloat16": "float32" if precision else None}
+    wider = {"fp8": "bfloat16 or float32", "float16": "bfloat16 or float32"}
+    wider["bfloat16"] = "float32" if precision else None
     if wider.get(fold_dtype) is None:
         return "no fold dtype holds it: check the source weights"
     return f"choose --fold-dtype {wider[fold_dtype]}"
