@@ -46,6 +46,10 @@ class LayerInputs:
     kv_b_proj: torch.Tensor
     sources: tuple[SourceTensor, ...]
 
+    def finite(self) -> bool:
+        """Whether both inputs are free of NaN and Inf (only ``--allow-nonfinite`` lets them not be)."""
+        return all_finite(self.q_b_proj) and all_finite(self.kv_b_proj)
+
 
 # (file, header info) -> the tensor's bytes and their sha256.
 Fetch = Callable[[str, TensorInfo], tuple[bytearray | memoryview, str]]
@@ -91,9 +95,7 @@ def nonfinite_fold_problem(
     """Why a fold with NaN/Inf is wrong, or None when it has none (or its inputs already had some,
     which ``--allow-nonfinite`` let through): finite inputs whose fold is not finite overflowed
     the fold dtype (an fp8 fold: its values or its scales)."""
-    if (all_finite(fold) and (scale is None or all_finite(scale))) or not (
-        all_finite(inputs.q_b_proj) and all_finite(inputs.kv_b_proj)
-    ):
+    if (all_finite(fold) and (scale is None or all_finite(scale))) or not inputs.finite():
         return None
     values = fold if scale is None else dequantize_fp8_rows(fold, scale)
     finite = torch.isfinite(values)
@@ -140,7 +142,7 @@ def check_fold_accuracy(error: FoldError, inputs: LayerInputs, layer: LayerPlan,
     dtype = fold_torch_dtype(fold_dtype)
     if within_one_rounding(error.rel_fro_error, dtype):
         return
-    if not (all_finite(inputs.q_b_proj) and all_finite(inputs.kv_b_proj)):
+    if not inputs.finite():
         return  # NaN/Inf inputs, let through by --allow-nonfinite
     if fold_dtype in SCALED_FOLD_DTYPES:
         why = "values far below the largest of their row keep too few of e4m3's bits"

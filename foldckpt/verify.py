@@ -368,7 +368,7 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
 
     from foldckpt.defaults import fold_torch_dtype
     from foldckpt.fold import (
-        ROUNDING_TOLERANCE, all_finite, fold_error, fold_layer, fold_layer_fp8, probe_error, within_one_rounding,
+        ROUNDING_TOLERANCE, fold_error, fold_layer, fold_layer_fp8, probe_error, within_one_rounding,
     )  # fmt: skip
     from foldckpt.layer import load_layer_inputs, nonfinite_fold_problem
     from foldckpt.plan import plan_conversion
@@ -437,7 +437,7 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
                 same = _bitwise_equal(stored, values) and _bitwise_equal(scale, scales)
                 del values, scales
             bitwise += same
-            if not (all_finite(inputs.q_b_proj) and all_finite(inputs.kv_b_proj)):
+            if not inputs.finite():
                 # NaN/Inf inputs, folded under --allow-nonfinite: no fp64 bound applies, only the recompute
                 nonfinite_inputs += 1
                 if not same:
