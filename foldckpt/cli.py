@@ -255,13 +255,11 @@ class _VerifyPrinter:
     that an interrupted run has shown what it proved, then the verdict."""
 
     def __init__(self) -> None:
-        self._started = False
-        self._shown = 0  # levels printed
+        self._shown = 0  # levels printed (every report has at least one)
 
     def __call__(self, report: VerifyReport) -> None:
-        if not self._started and report.manifest_sha256 is not None:  # `sha256sum foldckpt.json` prints the same
+        if self._shown == 0 and report.manifest_sha256 is not None:  # `sha256sum foldckpt.json` prints the same
             click.echo(f"sha256     {report.manifest_sha256}  foldckpt.json")
-        self._started = True
         for level in report.levels[self._shown :]:
             click.echo(f"{'ok  ' if level.ok else 'FAIL'} {level.name:<10} {level.summary} ({level.elapsed_s:.2f} s)")
             for problem in level.problems:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 
 # OpenMP threads that spin after every parallel region take the cycles the hashing threads need:
@@ -33,6 +32,7 @@ from foldckpt.defaults import (
     ACCUMULATION_DTYPE,
     DEFAULT_FOLD_DEVICE,
     DEFAULT_FOLD_DTYPE,
+    nan_last,
     require_fold_device,
     resolve_fold_device,
 )
@@ -133,7 +133,7 @@ class ConvertResult:
 
     @property
     def worst_layer(self) -> LayerOutcome | None:
-        return max(self.layers, key=lambda layer: _nan_last(layer.rel_fro_error), default=None)
+        return max(self.layers, key=lambda layer: nan_last(layer.rel_fro_error), default=None)
 
     def to_dict(self) -> dict[str, Any]:
         worst = self.worst_layer
@@ -147,13 +147,8 @@ class ConvertResult:
         }
 
 
-def _nan_last(error: float) -> float:
-    """A sort key under which a NaN error (a fold of NaN inputs) is the worst."""
-    return math.inf if math.isnan(error) else error
-
-
 def _worst(errors: Iterable[float]) -> float:
-    return max(errors, key=_nan_last, default=0.0)
+    return max(errors, key=nan_last, default=0.0)
 
 
 def _output_parameters(plan: ConversionPlan, options: ConvertOptions, device: str) -> dict[str, Any]:
@@ -231,7 +226,7 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return status.st_dev, status.st_ino
 
 
-def _identities(path: Path) -> set[tuple[int, int] | None]:
+def _identities(path: Path) -> set[tuple[int, int]]:
     """The identities of ``path`` and of each of its parents that exist."""
     return {identity for identity in map(_identity, [path, *path.parents]) if identity is not None}
 

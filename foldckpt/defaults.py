@@ -6,6 +6,7 @@ Convert, verify, inspect and the serving loader all read these; the conversion p
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,12 @@ SIDECAR_HEADER_ALIGN = 4096
 TP_CANDIDATES: tuple[int, ...] = (1, 2, 4, 8, 16)
 # The serving plugin refuses a manifest whose file sha256 is not this (when set).
 EXPECT_MANIFEST_ENV = "FOLDCKPT_EXPECT_MANIFEST_SHA256"
+
+
+def nan_last(error: float) -> float:
+    """A sort key under which a NaN error (that of a fold of NaN inputs, ``--allow-nonfinite``)
+    is the worst: ``max`` of floats otherwise returns NaN or not depending on the order."""
+    return math.inf if math.isnan(error) else error
 
 
 def fold_torch_dtype(name: str) -> torch.dtype:

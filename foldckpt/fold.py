@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from foldckpt.defaults import nan_last
 from foldckpt.errors import FoldckptError
 from foldckpt.files import json_safe
 from foldckpt.geometry import Geometry
@@ -215,7 +216,7 @@ class FoldError:
 
     @property
     def worst_rows(self) -> str:
-        return max(self.rows, key=lambda part: math.inf if math.isnan(self.rows[part]) else self.rows[part])
+        return max(self.rows, key=lambda part: nan_last(self.rows[part]))
 
     def to_dict(self) -> dict[str, object]:
         """As the manifest records it (NaN, the error of a fold of NaN inputs, as null)."""
@@ -262,8 +263,7 @@ def fold_error(
             sums[part][1] += float(reference[:, rows].square().sum())
         max_abs = max(max_abs, float(diff.abs().max()) if diff.numel() else 0.0)
     rows = {part: math.sqrt(diff_sq / ref_sq if ref_sq else diff_sq) for part, (diff_sq, ref_sq) in sums.items()}
-    worst = math.nan if any(math.isnan(value) for value in rows.values()) else max(rows.values())
-    return FoldError(heads=heads, rel_fro_error=worst, max_abs_error=max_abs, rows=rows)
+    return FoldError(heads=heads, rel_fro_error=max(rows.values(), key=nan_last), max_abs_error=max_abs, rows=rows)
 
 
 def probe_error(
