@@ -106,12 +106,14 @@ def run_engine(workdir: Path, name: str, model: Path, dtype: str, *, eager: bool
     return EngineRun(result, log, stats)
 
 
-def logprob_gaps(reference: EngineRun, other: EngineRun) -> list[float]:
-    """|logprob difference| of each reference token, step by step (same prefix in both)."""
+def logprob_gaps(reference: EngineRun, other: EngineRun, first_step: int = 0) -> list[float]:
+    """|logprob difference| of each reference token, step by step (same prefix in both), from
+    ``first_step`` on (1: decode steps only; step 0's token comes from prefill)."""
     return [
         abs(ref_steps[k][str(token)] - other_steps[k][str(token)])
         for tokens, ref_steps, other_steps in zip(reference.tokens, reference.logprobs, other.logprobs, strict=True)
         for k, token in enumerate(tokens)
+        if k >= first_step
     ]
 
 

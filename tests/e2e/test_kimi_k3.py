@@ -27,7 +27,7 @@ from foldckpt.convert import ConvertOptions, convert
 from foldckpt.manifest import read_manifest
 from foldckpt.safetensors_format import read_header
 from foldckpt.synthetic import make_checkpoint
-from tests.e2e.harness import MAX_MODEL_LEN, EngineRun, engine_env, requires_vllm, run_engine, run_job
+from tests.e2e.harness import MAX_MODEL_LEN, EngineRun, engine_env, logprob_gaps, requires_vllm, run_engine, run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, requires_vllm]
 
@@ -96,12 +96,7 @@ def _bf16_forced(engine_dir: Path, name: str, model: Path, reference: EngineRun,
 
 def _logprob_gaps(reference: EngineRun, other: EngineRun) -> list[float]:
     """|logprob(fp32) - logprob(other)| of each reference token at decode steps (k >= 1)."""
-    return [
-        abs(ref_steps[k][str(token)] - other_steps[k][str(token)])
-        for tokens, ref_steps, other_steps in zip(reference.tokens, reference.logprobs, other.logprobs, strict=True)
-        for k, token in enumerate(tokens)
-        if k >= 1
-    ]
+    return logprob_gaps(reference, other, first_step=1)
 
 
 def _agreement(reference: EngineRun, other: EngineRun) -> float:
