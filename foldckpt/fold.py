@@ -109,6 +109,21 @@ def _ieee_fp32_matmul(device: torch.device) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+def onednn_bf16_fold(q_b: torch.Tensor, kv_b: torch.Tensor, out_dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a CPU fold of bf16 weights into bf16 goes through oneDNN's bf16 GEMM, not through fp32
+    copies of its inputs: the same algorithm (each bf16 product is exact in fp32, the sums are fp32
+    and the result is rounded once to bf16), at 7 ms instead of 75 ms of CPU per 8 Kimi-K3 heads
+    (measured on an AVX-512 VM; conversion is CPU-bound). Only where ATen runs AVX-512 kernels,
+    which oneDNN's bf16 matmul needs: elsewhere torch's own bf16 GEMM is 9x slower than fp32."""
+    return (
+        torch.device(device).type == "cpu"
+        and q_b.dtype == kv_b.dtype == out_dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.enabled
+        and torch.backends.cpu.get_cpu_capability() == "AVX512"
+    )
+
+
 def fold_layer(
     q_b: torch.Tensor,
     kv_b: torch.Tensor,
@@ -123,6 +138,15 @@ def fold_layer(
     shape = (g.num_heads, g.fold_head_dim, g.q_lora_rank)
     out = torch.empty(shape, dtype=out_dtype) if out is None else out.view(shape)
     lora = g.kv_lora_rank
+    if onednn_bf16_fold(q_b, kv_b, out_dtype, device):
+        q_heads, kv_heads = _per_head(q_b, kv_b, g)
+        p = g.qk_nope_head_dim
+        for start in range(0, g.num_heads, _HEADS_PER_CHUNK):
+            chunk = slice(start, min(start + _HEADS_PER_CHUNK, g.num_heads))
+            w_uk_t = kv_heads[chunk, :p].transpose(1, 2).contiguous()  # [n, L, P]
+            torch.bmm(w_uk_t, q_heads[chunk, :p].contiguous(), out=out[chunk, :lora])
+            out[chunk, lora:].copy_(q_heads[chunk, p:])
+        return out.reshape(g.fold_shape)
     for chunk, ql_nope, q_pe in fold_chunks(q_b, kv_b, g, device):
         out[chunk, :lora].copy_(ql_nope if ql_nope.device.type == "cpu" else ql_nope.to(out_dtype))
         out[chunk, lora:].copy_(q_pe)
