@@ -50,8 +50,15 @@ def _page_aligned(view: memoryview) -> bool:
 
 
 def aligned_buffer(nbytes: int) -> memoryview:
-    """``nbytes`` of anonymous memory at a page-aligned address (what direct transfers need)."""
-    return memoryview(mmap.mmap(-1, nbytes)) if nbytes else memoryview(bytearray())
+    """``nbytes`` of anonymous memory at a page-aligned address (what direct transfers need).
+
+    Private, not shared: Python's default anonymous map is ``MAP_SHARED``, which the kernel backs
+    with shmem, whose first touch of each page costs more. On this project's 2-core VM, filling a
+    fresh 151 MB buffer took 128-135 ms shared and 73-85 ms private, and a 16-layer conversion
+    (about 1.3 GB of such buffers) took 0.9 core-s and 1 s of wall time less."""
+    if not nbytes:
+        return memoryview(bytearray())
+    return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
 
 
 class BufferPool:
