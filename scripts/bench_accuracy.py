@@ -22,8 +22,6 @@ Writes docs/bench/accuracy.json.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -32,6 +30,7 @@ from pathlib import Path
 import click
 import torch
 
+from bench_machine import machine
 from foldckpt import __version__
 from foldckpt.fold import fold_chunks, fold_layer, fold_layer_fp8, quantize_fp8_rows
 from foldckpt.geometry import Geometry, MLALayer
@@ -322,7 +321,7 @@ def main(tokens: int, seeds: int, heads: int, out: Path) -> None:
     report = {
         "benchmark": "accuracy",
         "tool_version": __version__,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": machine(),
         "seconds": time.perf_counter() - started,
         "geometry": {"num_heads": g.num_heads, "q_lora_rank": g.q_lora_rank, "kv_lora_rank": g.kv_lora_rank,
                      "qk_nope_head_dim": g.qk_nope_head_dim, "qk_rope_head_dim": g.qk_rope_head_dim,

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -38,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import click
-import torch
 
+from bench_machine import machine
 from foldckpt import __version__
 from foldckpt.direct_io import DIRECT_CHUNK, DurableAppender, open_direct, read_direct
 from foldckpt.hashing import default_workers, in_page_cache
@@ -318,8 +317,7 @@ def main(mla_counts: tuple[int, ...], filler_per_layer: int, device: str, fold_d
     report = {
         "benchmark": "convert",
         "tool_version": __version__,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-                    "gpu": torch.cuda.get_device_name() if device == "cuda" else None},  # fmt: skip
+        "machine": machine(),
         "device": device,
         "fold_dtype": fold_dtype,
         "geometry": "Kimi-K3: H=96 Lq=1536 L=512 P=128 R=64 V=128, hidden 7168; one shard per MLA layer + 1 GB filler (expert) shards",

@@ -24,9 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import shutil
-import ssl
 import statistics
 import subprocess
 import sys
@@ -42,6 +40,7 @@ import click
 import torch
 from safetensors.torch import save_file
 
+from bench_machine import machine
 from foldckpt import __version__
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.files import HASH_CHUNK
@@ -255,21 +254,9 @@ def _summary(runs: list[float], nbytes: int) -> dict[str, Any]:
 
 
 def _machine() -> dict[str, Any]:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())  # fmt: skip
-    flags = Path("/proc/cpuinfo").read_text()
+    """:func:`bench_machine.machine`, and the ``sha256sum`` the comparison runs."""
     version = subprocess.run(["sha256sum", "--version"], capture_output=True, text=True, check=False).stdout
-    return {
-        "cpu": model,
-        "cores": os.cpu_count(),
-        "sha_ni": " sha_ni" in flags,
-        "memory_gb": _gb(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
-        "python": platform.python_version(),
-        "openssl": ssl.OPENSSL_VERSION,
-        "torch": torch.__version__,
-        "sha256sum": version.splitlines()[0] if version else None,
-        "platform": platform.platform(),
-    }
+    return {**machine(), "sha256sum": version.splitlines()[0] if version else None}
 
 
 @click.command()

@@ -10,6 +10,7 @@ activation rounding would do the same for fp8.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -21,6 +22,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_accuracy.py"
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
+    sys.path.insert(0, str(SCRIPT.parent))  # as `python scripts/bench_accuracy.py` runs it: its sibling modules import
     spec = importlib.util.spec_from_file_location("bench_accuracy", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
