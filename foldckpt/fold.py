@@ -73,6 +73,11 @@ def _fold_heads(q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry) -> torch.Ten
     return torch.cat([ql_nope, q_b[:, p:, :]], dim=1)
 
 
+def _head_chunks(num_heads: int) -> Iterator[slice]:
+    """The heads in runs of ``_HEADS_PER_CHUNK`` (the last may be shorter)."""
+    return (slice(start, min(start + _HEADS_PER_CHUNK, num_heads)) for start in range(0, num_heads, _HEADS_PER_CHUNK))
+
+
 def fold_chunks(
     q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, device: torch.device | str = "cpu"
 ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
@@ -86,8 +91,7 @@ def fold_chunks(
     # cost page faults that slowed the CPU fold by half.
     product = torch.empty(min(_HEADS_PER_CHUNK, g.num_heads), g.kv_lora_rank, g.q_lora_rank, device=device)
     with _ieee_fp32_matmul(torch.device(device)):
-        for start in range(0, g.num_heads, _HEADS_PER_CHUNK):
-            chunk = slice(start, min(start + _HEADS_PER_CHUNK, g.num_heads))
+        for chunk in _head_chunks(g.num_heads):
             # dense copies first: converting them is 3x faster on the CPU than the strided slices
             q_nope = q_heads[chunk, :p].contiguous().to(device=device, dtype=torch.float32)
             w_uk_t = kv_heads[chunk, :p].to(device=device, dtype=torch.float32).transpose(1, 2).contiguous()  # [n, L, P]
@@ -112,7 +116,7 @@ def _ieee_fp32_matmul(device: torch.device) -> Iterator[None]:
 def onednn_bf16_fold(q_b: torch.Tensor, kv_b: torch.Tensor, out_dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether a CPU fold of bf16 weights into bf16 goes through oneDNN's bf16 GEMM, not through fp32
     copies of its inputs: the same algorithm (each bf16 product is exact in fp32, the sums are fp32
-    and the result is rounded once to bf16), at 7 ms instead of 75 ms of CPU per 8 Kimi-K3 heads
+    and the result is rounded once to bf16), at 152 instead of 285 ms of CPU per Kimi-K3 layer
     (measured on an AVX-512 VM; conversion is CPU-bound). Only where ATen runs AVX-512 kernels,
     which oneDNN's bf16 matmul needs: elsewhere torch's own bf16 GEMM is 9x slower than fp32."""
     return (
@@ -141,8 +145,7 @@ def fold_layer(
     if onednn_bf16_fold(q_b, kv_b, out_dtype, device):
         q_heads, kv_heads = _per_head(q_b, kv_b, g)
         p = g.qk_nope_head_dim
-        for start in range(0, g.num_heads, _HEADS_PER_CHUNK):
-            chunk = slice(start, min(start + _HEADS_PER_CHUNK, g.num_heads))
+        for chunk in _head_chunks(g.num_heads):
             w_uk_t = kv_heads[chunk, :p].transpose(1, 2).contiguous()  # [n, L, P]
             torch.bmm(w_uk_t, q_heads[chunk, :p].contiguous(), out=out[chunk, :lora])
             out[chunk, lora:].copy_(q_heads[chunk, p:])
