@@ -114,6 +114,12 @@ def cli() -> None:
     """
 
 
+revision_option = click.option(
+    "--revision", default=None, metavar="REV",
+    help="With a Hugging Face model id: the branch, tag or full commit hash in the local cache (default main).",
+)  # fmt: skip
+
+
 def _resolve(model: str, revision: str | None) -> ModelSource:
     from foldckpt.hub import resolve_model
 
@@ -188,8 +194,7 @@ def _print_convert(result: ConvertResult) -> None:
 @cli.command(name="convert")
 @click.argument("model_dir", metavar="MODEL_DIR")
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--revision", default=None, metavar="REV",
-              help="With a Hugging Face model id: the branch, tag or commit in the local cache (default main).")  # fmt: skip
+@revision_option
 @click.option("--fold-dtype", type=click.Choice(list(FOLD_DTYPE_NAMES)), default=DEFAULT_FOLD_DTYPE, show_default=True,
               help="Dtype of the stored fold (accumulation is always fp32, rounded once); fp8: OCP e4m3 "
                    "with an fp32 scale per row, half the bytes of bfloat16.")  # fmt: skip
@@ -347,7 +352,7 @@ def _print_inspection(info: Inspection) -> None:
 
 @cli.command(name="inspect")
 @click.argument("directory", metavar="DIR")
-@click.option("--revision", default=None, metavar="REV", help="With a Hugging Face model id: the branch, tag or commit.")
+@revision_option
 @click.option("--json", "as_json", is_flag=True, help="Print the inspection as JSON.")
 def inspect_command(directory: str, revision: str | None, as_json: bool) -> None:
     """Show the MLA geometry of a model or converted directory, its fold status and overhead.

@@ -18,6 +18,7 @@ from typing import Any
 from foldckpt.errors import FoldckptError
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+_SHORT_COMMIT = re.compile(r"[0-9a-f]{4,39}")
 DEFAULT_REVISION = "main"
 
 
@@ -60,6 +61,12 @@ def _from_cache(repo_id: str, revision: str | None) -> ModelSource:
     try:
         folder = Path(snapshot_download(repo_id, revision=wanted, local_files_only=True))
     except hub_errors.LocalEntryNotFoundError:
+        full = _full_commits(Path(constants.HF_HUB_CACHE), repo_id, wanted)
+        if full:
+            raise FoldckptError(
+                f"{repo_id}: --revision {wanted}: a commit is named by its full 40-character hash "
+                f"(as the Hub takes it); cached commits starting with it: {', '.join(full)}"
+            ) from None
         raise FoldckptError(
             f"{repo_id}: no such directory, and {what} is not in the Hugging Face cache "
             f"({constants.HF_HUB_CACHE}); foldckpt never downloads: fetch it first with `{fetch}`"
@@ -73,6 +80,18 @@ def _from_cache(repo_id: str, revision: str | None) -> ModelSource:
             raise FoldckptError(f"{repo_id}: no such directory, and not a valid Hugging Face model id ({exc})") from None
         raise
     return ModelSource(folder, repo_id, wanted, folder.name)
+
+
+def _full_commits(cache: Path, repo_id: str, revision: str) -> list[str]:
+    """The cached snapshots of ``repo_id`` whose commit starts with ``revision``, when it reads as a
+    shortened hash: git users type those, the Hub and its cache take only full hashes."""
+    if not _SHORT_COMMIT.fullmatch(revision):
+        return []
+    snapshots = cache / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    try:
+        return sorted(entry.name for entry in snapshots.iterdir() if entry.name.startswith(revision))
+    except OSError:
+        return []
 
 
 def resolve_model(model: str | Path, revision: str | None = None) -> ModelSource:

@@ -120,6 +120,11 @@ def test_dry_run_and_inspect_take_a_hub_id(hub: dict[str, object], tmp_path: Pat
                                         f"'{REPO_ID}' is not in the Hugging Face cache ({{cache}}); foldckpt never "
                                         f"downloads: fetch it first with `hf download {REPO_ID} --revision v3`"),
         ([REPO_ID, "--revision", "3" * 40], f"foldckpt: error: {REPO_ID}: no such directory, and revision '{'3' * 40}'"),
+        ([REPO_ID, "--revision", "3333abc"], f"foldckpt: error: {REPO_ID}: no such directory, and revision '3333abc'"),
+        # A shortened hash of a cached commit: named in full, not "fetch it first" (it is cached).
+        ([REPO_ID, "--revision", "2222222"], f"foldckpt: error: {REPO_ID}: --revision 2222222: a commit is named by its "
+                                             f"full 40-character hash (as the Hub takes it); cached commits starting "
+                                             f"with it: {V2_COMMIT}"),
     ],
 )
 def test_an_id_that_is_not_cached_is_one_line_naming_it(
