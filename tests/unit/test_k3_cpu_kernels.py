@@ -19,11 +19,15 @@ replacement signature the launcher cannot bind -> ``test_rmsnorm_through_vllms_l
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from tests.e2e import k3_cpu_kernels as k3
+from tests.e2e.harness import K3_FIXTURES_ENV
 
 NS = "foldckpt_k3_test"
 L, R, P, V, H, BS = 512, 64, 32, 32, 4, 16
@@ -190,3 +194,14 @@ def test_rmsnorm_through_vllms_launcher() -> None:
     Overridden()(q_c, kv_c, q_out, kv_out, wq, wkv, 1e-6)
     torch.testing.assert_close(q_out.double(), fp64_rmsnorm(q_c, wq, 1e-6), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(kv_out.double(), fp64_rmsnorm(kv_c, wkv, 1e-6), atol=1e-2, rtol=1e-2)
+
+
+def test_only_the_engines_processes_install_the_fixtures() -> None:
+    """Other Python children of an engine inherit its environment (torch inductor's ISA probes are
+    ``python -c`` processes): they must start without importing vLLM, which took about 12 s each
+    and 60 s of every Kimi-K3 engine run. (The engine job and its spawned tensor-parallel workers
+    do install them: every Kimi-K3 e2e engine fails without the fixtures, the TP2 test with workers.)"""
+    code = "import sys; print(sorted(name for name in sys.modules if name.startswith(('vllm', 'k3_cpu'))))"
+    env = {**os.environ, **K3_FIXTURES_ENV}
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == "[]", child.stderr
