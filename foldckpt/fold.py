@@ -13,6 +13,7 @@ as the reference the error statistics are measured against.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -261,34 +262,59 @@ def within_one_rounding(rel_error: float, dtype: torch.dtype) -> bool:
     return rel_error <= ROUNDING_TOLERANCE[dtype]
 
 
-def stored_heads(
-    fold: torch.Tensor, g: Geometry, heads: tuple[int, ...], scale: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The stored values of the selected heads, ``[len(heads), L+R, Lq]`` fp64 (an fp8 fold times
-    its per-row ``scale``)."""
-    index = torch.tensor(heads)
-    values = fold.reshape(g.num_heads, g.fold_head_dim, g.q_lora_rank)[index].to(torch.float64)
-    if scale is None:
-        return values
-    return values * scale.reshape(g.num_heads, g.fold_head_dim)[index].to(torch.float64).unsqueeze(-1)
+_workspaces = threading.local()
+
+
+def _fp64_workspace(p: int, lora: int, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
+    """This thread's fp64 buffers for :func:`fold_error` (``q_nope [P, Lq]``, ``w_uk [P, L]``, the
+    reference and the difference ``[L+R, Lq]``), kept from call to call: fresh ones are new mappings
+    whose first touch costs more than the check itself (a conversion checks 4 heads per layer)."""
+    key = (p, lora, rows, cols)
+    if getattr(_workspaces, "key", None) != key:
+        f64 = torch.float64
+        _workspaces.key = key
+        _workspaces.buffers = (
+            torch.empty(p, cols, dtype=f64), torch.empty(p, lora, dtype=f64),
+            torch.empty(rows, cols, dtype=f64), torch.empty(rows, cols, dtype=f64),
+        )  # fmt: skip
+    return _workspaces.buffers
 
 
 def fold_error(
     fold: torch.Tensor, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, heads: tuple[int, ...],
     scale: torch.Tensor | None = None,
 ) -> FoldError:  # fmt: skip
-    """How far the stored fold is from the fp64 fold on ``heads``, one head at a time (so checking
-    every head, as ``verify --deep`` does, needs one head's fp64 working set), per row group."""
-    groups = {"ql_nope": slice(None, g.kv_lora_rank), "q_pe": slice(g.kv_lora_rank, None)}
+    """How far the stored fold is from the fp64 fold on ``heads``, per row group, one head at a time
+    (so checking every head, as ``verify --deep`` does, needs one head's fp64 working set).
+
+    The head's fp64 fold and its difference to the stored values go into two buffers reused from
+    head to head, and the sums and the largest difference are reductions over them: a dozen fresh
+    7 MB fp64 temporaries per Kimi-K3 head, each a new mapping to fault in, made this check about
+    0.2 core-s per layer of a conversion (4 heads) and most of ``verify --deep``'s compute."""
+    lora, p = g.kv_lora_rank, g.qk_nope_head_dim
+    q_heads, kv_heads = _per_head(q_b, kv_b, g)
+    stored = fold.reshape(g.num_heads, g.fold_head_dim, g.q_lora_rank)
+    scales = None if scale is None else scale.reshape(g.num_heads, g.fold_head_dim, 1)
+    q_nope, w_uk, reference, diff = _fp64_workspace(p, lora, g.fold_head_dim, g.q_lora_rank)
+    groups = {"ql_nope": slice(None, lora), "q_pe": slice(lora, None)}
     sums = {part: [0.0, 0.0] for part in groups}  # squared norms of the difference and the reference
     max_abs = 0.0
     for head in heads:
-        reference = reference_fold_heads(q_b, kv_b, g, (head,))
-        diff = stored_heads(fold, g, (head,), scale) - reference
+        q_nope.copy_(q_heads[head, :p])
+        w_uk.copy_(kv_heads[head, :p])
+        torch.matmul(w_uk.T, q_nope, out=reference[:lora])  # W_UKᵀ·W_qb_nope, as reference_fold_heads
+        reference[lora:].copy_(q_heads[head, p:])
+        diff.copy_(stored[head])
+        if scales is not None:
+            diff.mul_(scales[head])
+        diff.sub_(reference)
         for part, rows in groups.items():
-            sums[part][0] += float(diff[:, rows].square().sum())
-            sums[part][1] += float(reference[:, rows].square().sum())
-        max_abs = max(max_abs, float(diff.abs().max()) if diff.numel() else 0.0)
+            d, r = diff[rows].reshape(-1), reference[rows].reshape(-1)
+            sums[part][0] += float(torch.dot(d, d))
+            sums[part][1] += float(torch.dot(r, r))
+        if diff.numel():
+            low, high = torch.aminmax(diff)
+            max_abs = max(max_abs, float(torch.maximum(-low, high)))
     rows = {part: math.sqrt(diff_sq / ref_sq if ref_sq else diff_sq) for part, (diff_sq, ref_sq) in sums.items()}
     return FoldError(heads=heads, rel_fro_error=max(rows.values(), key=nan_last), max_abs_error=max_abs, rows=rows)
 

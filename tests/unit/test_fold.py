@@ -97,6 +97,38 @@ def test_fold_error_reports_a_corrupted_head() -> None:
     assert probe_error(fold, q_b, kv_b, TINY) > 1e-4
 
 
+def _expected_error(stored: torch.Tensor, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, heads: tuple[int, ...],
+                    scale: torch.Tensor | None) -> tuple[dict[str, float], float]:  # fmt: skip
+    """Per row group relative Frobenius error and max |difference|, straight from the definitions."""
+    values = stored.double().reshape(g.num_heads, g.fold_head_dim, -1)
+    if scale is not None:
+        values = values * scale.double().reshape(g.num_heads, g.fold_head_dim, 1)
+    diffs = torch.stack([values[h] - fp64_fold_of_head(q_b, kv_b, g, h) for h in heads])
+    refs = torch.stack([fp64_fold_of_head(q_b, kv_b, g, h) for h in heads])
+    lora = g.kv_lora_rank
+    rows = {"ql_nope": (diffs[:, :lora].norm() / refs[:, :lora].norm()).item(),
+            "q_pe": (diffs[:, lora:].norm() / refs[:, lora:].norm()).item()}  # fmt: skip
+    return rows, diffs.abs().max().item()
+
+
+def test_fold_error_is_its_definition_from_call_to_call_and_geometry_to_geometry() -> None:
+    """fold_error keeps its fp64 buffers between calls (per thread): calls on two geometries in
+    turn, with and without per-row scales, must each give what the definition gives (a buffer
+    sized for the other geometry, or rows left from the head before, would not)."""
+    for round_ in range(2):
+        for g in (K3_HEADS, TINY):
+            q_b, kv_b = random_weights(g, seed=round_)
+            fold = fold_layer(q_b, kv_b, g, torch.float32)
+            fold += torch.randn(fold.shape, generator=torch.Generator().manual_seed(5)) * 1e-3
+            scale = torch.rand(g.fold_shape[0], generator=torch.Generator().manual_seed(6)) + 0.5
+            heads = (0, g.num_heads - 1)
+            for stored, row_scale in ((fold, None), (fold / scale[:, None], scale)):
+                error = fold_error(stored, q_b, kv_b, g, heads, row_scale)
+                rows, max_abs = _expected_error(stored, q_b, kv_b, g, heads, row_scale)
+                assert error.rows == pytest.approx(rows, rel=1e-9) and error.max_abs_error == pytest.approx(max_abs, rel=1e-9)
+                assert rows["ql_nope"] > 1e-4 and rows["q_pe"] > 1e-4  # the noise is seen in both groups
+
+
 def test_fold_error_measures_the_ql_nope_and_q_pe_rows_apart() -> None:
     """A fold whose ql_nope rows are 30% off behind exact, 100x larger q_pe rows: one norm over
     the head (the old measure) saw about 3e-4; each group's own norm sees the 30%."""
