@@ -49,19 +49,20 @@ FULL_K3_MLA_LAYERS = 24
 _READ_BUFFER = 8 * 1024 * 1024
 _SETTLE_S = 5.0
 
-# Peak RSS is read from VmHWM, the high-water mark of this process's own address space: ru_maxrss
-# would also count the bench parent's memory, which Linux carries across fork + exec.
+# The command users run, `foldckpt convert ... --json` (its own exit included: the CLI freezes the
+# collector before the interpreter's teardown, which a bare convert() call left to collect every
+# object torch made, 0.4-0.7 s of a 16-layer run's wall on this project's 2-core VM). Peak RSS is
+# VmHWM, the high-water mark of this process's own address space, read at exit: ru_maxrss would
+# also count the bench parent's memory, which Linux carries across fork + exec.
 _CHILD = """
-import json, resource, sys, time
-from foldckpt.convert import ConvertOptions, convert
-started = time.perf_counter()
-r = convert(sys.argv[1], sys.argv[2], ConvertOptions(progress=False, device=sys.argv[3], fold_dtype=sys.argv[4]))
-wall = time.perf_counter() - started
-usage = resource.getrusage(resource.RUSAGE_SELF)
-hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(json.dumps({"layers": r.layers_total, "fold_bytes": r.fold_bytes, "peak_rss_bytes": hwm * 1024,
-                  "convert_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "placed": r.placed,
-                  "fold_device": r.fold_device, **r.io}))
+import atexit, json, resource, sys
+def _usage():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    print(json.dumps({"peak_rss_bytes": hwm * 1024, "cpu_s": usage.ru_utime + usage.ru_stime}), file=sys.stderr)
+atexit.register(_usage)
+from foldckpt.cli import main
+main(sys.argv[1:])
 """
 
 
@@ -201,13 +202,15 @@ def _torch_start_s(device: str) -> float:
 
 def _convert_in_child(model_dir: Path, out_dir: Path, device: str, fold_dtype: str) -> dict[str, Any]:
     started = time.perf_counter()
-    run = subprocess.run([sys.executable, "-c", _CHILD, str(model_dir), str(out_dir), device, fold_dtype],
-                         capture_output=True, text=True)  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", _CHILD, "convert", str(model_dir), str(out_dir), "--device", device,
+                          "--fold-dtype", fold_dtype, "--json", "-q"], capture_output=True, text=True)  # fmt: skip
+    wall = time.perf_counter() - started
     if run.returncode:
         raise click.ClickException(f"convert failed:\n{run.stderr[-3000:]}")
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    result["wall_s"] = time.perf_counter() - started
-    return result
+    summary = json.loads(run.stdout)
+    return {"layers": summary["layers_total"], "fold_bytes": summary["fold_bytes"], "convert_s": summary["elapsed_s"],
+            "placed": summary["placed"], "fold_device": summary["fold_device"], **summary["io"],
+            **json.loads(run.stderr.strip().splitlines()[-1]), "wall_s": wall}  # fmt: skip
 
 
 def _sha256_rate() -> float:
