@@ -67,13 +67,6 @@ def _per_head(q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry) -> tuple[torch
     )
 
 
-def _fold_heads(q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry) -> torch.Tensor:
-    """[n, L+R, Lq] fold of the heads given as [n, P+R, Lq] / [n, P+V, L], in their dtype."""
-    p = g.qk_nope_head_dim
-    ql_nope = torch.matmul(kv_b[:, :p, :].transpose(1, 2), q_b[:, :p, :])  # [n, L, Lq]
-    return torch.cat([ql_nope, q_b[:, p:, :]], dim=1)
-
-
 def _head_chunks(num_heads: int) -> Iterator[slice]:
     """The heads in runs of ``_HEADS_PER_CHUNK`` (the last may be shorter)."""
     return (slice(start, min(start + _HEADS_PER_CHUNK, num_heads)) for start in range(0, num_heads, _HEADS_PER_CHUNK))
@@ -208,13 +201,29 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
+def _reference_head_into(
+    out: torch.Tensor, q_heads: torch.Tensor, kv_heads: torch.Tensor, head: int, q_nope: torch.Tensor, w_uk: torch.Tensor
+) -> None:  # fmt: skip
+    """The fp64 fold of one head (views from :func:`_per_head`) into ``out [L+R, Lq]``: W_UKᵀ·W_qb_nope,
+    then W_qb_pe; ``q_nope [P, Lq]`` and ``w_uk [P, L]`` are fp64 staging buffers the head is copied into."""
+    p, lora = w_uk.shape
+    q_nope.copy_(q_heads[head, :p])
+    w_uk.copy_(kv_heads[head, :p])
+    torch.matmul(w_uk.T, q_nope, out=out[:lora])
+    out[lora:].copy_(q_heads[head, p:])
+
+
 def reference_fold_heads(
     q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, heads: tuple[int, ...]
 ) -> torch.Tensor:
     """fp64 fold of the selected heads, ``[len(heads), L+R, Lq]``."""
     q_heads, kv_heads = _per_head(q_b, kv_b, g)
-    index = torch.tensor(heads)
-    return _fold_heads(q_heads[index].to(torch.float64), kv_heads[index].to(torch.float64), g)
+    f64, p = torch.float64, g.qk_nope_head_dim
+    out = torch.empty(len(heads), g.fold_head_dim, g.q_lora_rank, dtype=f64)
+    q_nope, w_uk = torch.empty(p, g.q_lora_rank, dtype=f64), torch.empty(p, g.kv_lora_rank, dtype=f64)
+    for row, head in enumerate(heads):
+        _reference_head_into(out[row], q_heads, kv_heads, head, q_nope, w_uk)
+    return out
 
 
 def sample_heads(num_heads: int, count: int = 4) -> tuple[int, ...]:
@@ -300,10 +309,7 @@ def fold_error(
     sums = {part: [0.0, 0.0] for part in groups}  # squared norms of the difference and the reference
     max_abs = 0.0
     for head in heads:
-        q_nope.copy_(q_heads[head, :p])
-        w_uk.copy_(kv_heads[head, :p])
-        torch.matmul(w_uk.T, q_nope, out=reference[:lora])  # W_UKᵀ·W_qb_nope, as reference_fold_heads
-        reference[lora:].copy_(q_heads[head, p:])
+        _reference_head_into(reference, q_heads, kv_heads, head, q_nope, w_uk)
         diff.copy_(stored[head])
         if scales is not None:
             diff.mul_(scales[head])
