@@ -53,6 +53,7 @@ def looks_like_repo_id(text: str) -> bool:
 def _from_cache(repo_id: str, revision: str | None) -> ModelSource:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub import errors as hub_errors
+    from huggingface_hub.file_download import repo_folder_name
 
     wanted = revision or DEFAULT_REVISION
     fetch = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
@@ -61,7 +62,7 @@ def _from_cache(repo_id: str, revision: str | None) -> ModelSource:
     try:
         folder = Path(snapshot_download(repo_id, revision=wanted, local_files_only=True))
     except hub_errors.LocalEntryNotFoundError:
-        full = _full_commits(Path(constants.HF_HUB_CACHE), repo_id, wanted)
+        full = _full_commits(Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model"), wanted)
         if full:
             raise FoldckptError(
                 f"{repo_id}: --revision {wanted}: a commit is named by its full 40-character hash "
@@ -82,12 +83,13 @@ def _from_cache(repo_id: str, revision: str | None) -> ModelSource:
     return ModelSource(folder, repo_id, wanted, folder.name)
 
 
-def _full_commits(cache: Path, repo_id: str, revision: str) -> list[str]:
-    """The cached snapshots of ``repo_id`` whose commit starts with ``revision``, when it reads as a
-    shortened hash: git users type those, the Hub and its cache take only full hashes."""
+def _full_commits(repo_folder: Path, revision: str) -> list[str]:
+    """The cached snapshots in ``repo_folder`` (a model's folder of the cache) whose commit starts
+    with ``revision``, when it reads as a shortened hash: git users type those, the Hub and its
+    cache take only full hashes."""
     if not _SHORT_COMMIT.fullmatch(revision):
         return []
-    snapshots = cache / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    snapshots = repo_folder / "snapshots"
     try:
         return sorted(entry.name for entry in snapshots.iterdir() if entry.name.startswith(revision))
     except OSError:
