@@ -9,6 +9,7 @@ and an earlier run's fold whose input changed going unnoticed on resume.
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -175,6 +176,28 @@ def test_files_that_feed_no_layer_wait_while_a_foreground_transfer_runs(plan: Co
             assert set(hashed) == set(reads.first_use)  # the others hold their first read
         reads.wait()
     assert set(hashed) == set(reads.files)
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priority here")
+def test_only_passes_over_files_that_feed_no_layer_yield_the_cores(plan: ConversionPlan) -> None:
+    """The fold waits for the passes that read its inputs, not for the others: only those are
+    niced (when every pass was, the fold waited for inputs its own GEMM had kept from being read)."""
+    niceness: dict[str, set[int]] = {"feeding": set(), "other": set()}
+
+    def progress(count: int) -> None:  # runs in the pass's thread
+        kind = threading.current_thread().name.split("_")[0]
+        niceness[kind].add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    reads, _, _ = _reads(plan, 1 << 30)
+    reads.progress = progress
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with ThreadPoolExecutor(2, "feeding") as feeding, ThreadPoolExecutor(2, "other") as other:
+        reads.start(feeding, other)
+        for (file, _), info in _inputs(plan).items():
+            reads.take(file, info)
+        reads.wait()
+    assert niceness["feeding"] == {own}
+    assert niceness["other"] == {max(own, 10)}
 
 
 def test_background_turn_returns_only_once_no_foreground_transfer_runs() -> None:
