@@ -12,6 +12,7 @@ as the reference the error statistics are measured against.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Iterator
@@ -86,9 +87,10 @@ def fold_chunks(
     product = torch.empty(min(_HEADS_PER_CHUNK, g.num_heads), g.kv_lora_rank, g.q_lora_rank, device=device)
     with _ieee_fp32_matmul(torch.device(device)):
         for chunk in _head_chunks(g.num_heads):
-            # dense copies first: converting them is 3x faster on the CPU than the strided slices
-            q_nope = q_heads[chunk, :p].contiguous().to(device=device, dtype=torch.float32)
-            w_uk_t = kv_heads[chunk, :p].to(device=device, dtype=torch.float32).transpose(1, 2).contiguous()  # [n, L, P]
+            # converted straight from the strided slices, W_UKᵀ a transposed view (the GEMM reads
+            # it as it is): dense copies first cost a fifth more of a CPU fold (one GEMM, the same bytes)
+            q_nope = q_heads[chunk, :p].to(device=device, dtype=torch.float32)
+            w_uk_t = kv_heads[chunk, :p].to(device=device, dtype=torch.float32).transpose(1, 2)  # [n, L, P]
             out = product[: chunk.stop - chunk.start]
             torch.bmm(w_uk_t, q_nope, out=out)
             yield chunk, out, q_heads[chunk, p:]
@@ -109,17 +111,46 @@ def _ieee_fp32_matmul(device: torch.device) -> Iterator[None]:
 
 def onednn_bf16_fold(q_b: torch.Tensor, kv_b: torch.Tensor, out_dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether a CPU fold of bf16 weights into bf16 goes through oneDNN's bf16 GEMM, not through fp32
-    copies of its inputs: the same algorithm (each bf16 product is exact in fp32, the sums are fp32
-    and the result is rounded once to bf16), at 152 instead of 285 ms of CPU per Kimi-K3 layer
-    (measured on an AVX-512 VM; conversion is CPU-bound). Only where ATen runs AVX-512 kernels,
-    which oneDNN's bf16 matmul needs: elsewhere torch's own bf16 GEMM is 9x slower than fp32."""
+    copies of its inputs (:func:`fold_chunks`): the same algorithm (each bf16 product is exact in
+    fp32, the sums are fp32 and the result is rounded once to bf16), faster only where the CPU
+    multiplies bf16 faster than fp32 (:func:`bf16_outpaces_fp32`), and only where ATen runs AVX-512
+    kernels, which oneDNN's bf16 matmul needs (elsewhere torch's own bf16 GEMM is 9x slower than
+    fp32). Conversion is CPU-bound on few cores, so the faster path is the one to take."""
     return (
         torch.device(device).type == "cpu"
         and q_b.dtype == kv_b.dtype == out_dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
         and torch.backends.cpu.get_cpu_capability() == "AVX512"
+        and bf16_outpaces_fp32()
     )
+
+
+@functools.cache
+def bf16_outpaces_fp32() -> bool:
+    """Whether this CPU multiplies bf16 matrices faster than fp32 ones: with AMX tiles, or with
+    AVX512-BF16 on an AMD core (Zen 4 and later: a bf16 dot product does twice the multiply-adds of
+    an fp32 FMA per cycle there). An Intel core with AVX512-BF16 but no AMX (Cooper Lake, or a
+    Sapphire Rapids VM whose hypervisor hides AMX, as on this project's 2-core VMs) does as many
+    fp32 FMAs as bf16 products per cycle, and oneDNN's bf16 path costs more there. Measured per
+    Kimi-K3 layer (ms of CPU, 2 threads): that Intel VM 266-280 through oneDNN against 176-189 in
+    fp32; an AMD EPYC VM (AVX512-BF16) 152 against 285 for the fp32 path of the time (which made
+    dense copies first, about 35 ms more)."""
+    if getattr(torch.cpu, "_is_amx_tile_supported", bool)():
+        return True
+    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", bool)()) and _cpu_vendor() == "AuthenticAMD"
+
+
+def _cpu_vendor() -> str:
+    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``) where Linux tells it, else ''."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def fold_layer(
