@@ -204,3 +204,27 @@ def test_fp8_block_dequantization_applies_each_blocks_scale() -> None:
 def test_sample_heads_spreads_and_includes_both_ends() -> None:
     assert sample_heads(96) == (0, 32, 63, 95)
     assert sample_heads(3) == (0, 1, 2)
+
+
+@pytest.mark.parametrize(("fold_dtype", "value", "overflows"), [
+    ("float16", 2000.0, False),  # P·a·b = 2000: far inside fp16
+    ("float16", 70000.0, True),  # every product 70000/P fits fp16, their sum does not
+    ("bfloat16", 1e38, False),  # bf16 has fp32's range
+    ("fp8", 1e38, False),  # e4m3 values are scaled into range; the fp32 scales hold it
+    ("bfloat16", 1e39, True),  # the fp32 sums themselves overflow
+])  # fmt: skip
+def test_a_fold_is_proved_finite_only_where_no_sum_can_overflow(fold_dtype: str, value: float, overflows: bool) -> None:
+    """convert skips scanning a fold for Inf only where its inputs prove it finite. Constant inputs
+    make every W_UKᵀ·W_qb_nope element exactly P·a·b = ``value``; a bound that forgot the sum over
+    P (or the dtype's range) would call the 70000 fold safe."""
+    from foldckpt.layer import LayerInputs
+
+    g = TINY
+    factor = (value / g.qk_nope_head_dim) ** 0.5
+    q_b = torch.full(g.q_b_proj_shape, factor)
+    kv_b = torch.full(g.kv_b_proj_shape, factor)
+    inputs = LayerInputs(q_b, kv_b, (), factor, factor)
+    fold = fold_layer(q_b, kv_b, g, torch.float16 if fold_dtype == "float16" else torch.float32)
+    assert bool(torch.isfinite(fold).all()) is not overflows  # what the skipped scan would have found
+    assert inputs.fold_cannot_overflow(g, fold_dtype) is not overflows
+    assert not replace(inputs, q_b_abs_max=float("nan")).fold_cannot_overflow(g, fold_dtype)
