@@ -4,7 +4,7 @@ Everything that can be judged without hashing tensor data, in one place so that 
 a manifest cannot disagree on what "consistent" means:
 
 * :func:`manifest_problems`: the manifest hangs together on its own (file names stay inside the
-  directory, hashes are sha256 hex, one head hash per head, every MLA layer of its geometry has a
+  directory, digests are 64 hex digits, one head digest per head, every MLA layer of its geometry has a
   fold of the right dtype and shape in a listed sidecar);
 * :func:`file_problems`: the file set: every listed file exists with its recorded size, no stray
   safetensors file or sidecar lies beside them;
@@ -32,7 +32,7 @@ from foldckpt.defaults import FOLD_DTYPE_NAMES, FOLD_SCALE_DTYPE, SCALED_FOLD_DT
 from foldckpt.errors import FoldckptError
 from foldckpt.geometry import CONFIG_NAME, read_geometry
 from foldckpt.files import os_error
-from foldckpt.hashing import HashJob, RangeCheck, hash_job
+from foldckpt.hashing import HashJob, RangeCheck, hash_job, tensor_digest
 from foldckpt.manifest import MANIFEST_NAME, FoldTensor, Manifest, SidecarRecord, SourceTensor
 from foldckpt.safetensors_format import SafetensorsHeader, TensorInfo, read_header, read_tensor_bytes
 
@@ -69,7 +69,8 @@ class Problem:
         return cls(fallback, str(exc), exc.tensor)
 
 
-def is_sha256(value: object) -> bool:
+def is_hex_digest(value: object) -> bool:
+    """Whether ``value`` reads as a 32-byte digest (sha256 or BLAKE3): 64 lowercase hex digits."""
     return isinstance(value, str) and len(value) == 64 and _HEX.issuperset(value)
 
 
@@ -94,7 +95,7 @@ def manifest_problems(manifest: Manifest) -> list[Problem]:
             if record.size < 0:
                 bad(f"{section}: '{name}' has a negative size {record.size}")
             digest = record.header_sha256 if isinstance(record, SidecarRecord) else record.sha256
-            if not is_sha256(digest):
+            if not is_hex_digest(digest):
                 bad(f"{section}: '{name}' has sha256 {digest!r}, not 64 lowercase hex digits")
     for name in manifest.sidecars:
         if not PurePosixPath(name).name.startswith(SIDECAR_PREFIX) or "/" in name:
@@ -115,8 +116,8 @@ def manifest_problems(manifest: Manifest) -> list[Problem]:
         if tensor.shape != geometry.fold_shape or (stored is not None and tensor.dtype != stored):
             bad(f"fold '{name}' is {tensor.dtype}{list(tensor.shape)}, the geometry and fold dtype imply "
                 f"{stored}{list(geometry.fold_shape)}", name)  # fmt: skip
-        if len(tensor.head_sha256) != geometry.num_heads or not all(map(is_sha256, tensor.head_sha256)):
-            bad(f"tensor '{name}': head_sha256 must be {geometry.num_heads} sha256 hex digests, one per head", name)
+        if len(tensor.head_blake3) != geometry.num_heads or not all(map(is_hex_digest, tensor.head_blake3)):
+            bad(f"tensor '{name}': head_blake3 must be {geometry.num_heads} BLAKE3 hex digests, one per head", name)
         scale, expected = tensor.scale, (geometry.fold_shape[0],)
         if (scale is not None) != (manifest.fold_dtype in SCALED_FOLD_DTYPES):
             bad(f"fold '{name}' {'has' if scale is not None else 'lacks'} a weight_scale, its fold dtype "
@@ -127,13 +128,13 @@ def manifest_problems(manifest: Manifest) -> list[Problem]:
                 bad(f"fold '{name}': its weight_scale is named '{scale.name}', not '{layer.q_fold_scale}'", name)
             if (scale.dtype, scale.shape) != (FOLD_SCALE_DTYPE, expected):
                 bad(f"fold '{name}': weight_scale is {scale.dtype}{list(scale.shape)}, expected {FOLD_SCALE_DTYPE}{list(expected)}", name)
-            if len(scale.head_sha256) != geometry.num_heads or not all(map(is_sha256, scale.head_sha256)):
-                bad(f"tensor '{scale.name}': head_sha256 must be {geometry.num_heads} sha256 hex digests, one per head", scale.name)
+            if len(scale.head_blake3) != geometry.num_heads or not all(map(is_hex_digest, scale.head_blake3)):
+                bad(f"tensor '{scale.name}': head_blake3 must be {geometry.num_heads} BLAKE3 hex digests, one per head", scale.name)
         for source in tensor.sources:
             if source.file not in manifest.source_files:
                 bad(f"tensor '{name}': its source '{source.name}' is in '{source.file}', not a listed source file", name)
-            if not is_sha256(source.sha256):
-                bad(f"tensor '{name}': source '{source.name}' has an invalid sha256 {source.sha256!r}", name)
+            if not is_hex_digest(source.blake3):
+                bad(f"tensor '{name}': source '{source.name}' has an invalid BLAKE3 digest {source.blake3!r}", name)
     return problems
 
 
@@ -210,7 +211,7 @@ def add_head_ranges(
         block = info.nbytes // heads
         for head in range(first, heads if stop is None else stop):
             start = info.start + head * block
-            job.add(start, start + block, RangeCheck(part.name, head, part.head_sha256[head]))
+            job.add(start, start + block, RangeCheck(part.name, head, part.head_blake3[head]))
 
 
 def sidecar_intact(path: Path, record: SidecarRecord, tensors: Iterable[FoldTensor], heads: int) -> bool:
@@ -273,7 +274,7 @@ def changed_fold_inputs(directory: Path, sources: Iterable[SourceTensor]) -> lis
             headers[source.file] = header_tensors(directory / source.file)
         info = (headers[source.file] or {}).get(source.name)
         try:
-            same = info is not None and hashlib.sha256(read_tensor_bytes(directory / source.file, info)).hexdigest() == source.sha256
+            same = info is not None and tensor_digest(read_tensor_bytes(directory / source.file, info)) == source.blake3
         except FoldckptError:
             same = False
         if not same:

@@ -512,7 +512,7 @@ def _source_reads(
     inputs = {(file, info.name): info for layer in plan.layers for file, info in layer.input_tensors()}
     wanted = {(file, info.name): position for position, layer in enumerate(todo) for file, info in layer.input_tensors()}
     recorded = {
-        (source["file"], source["name"]): source["sha256"]
+        (source["file"], source["name"]): source["blake3"]
         for progress in journal.shards.values()
         for record in progress.tensors.values()
         for source in record["sources"]

@@ -1,6 +1,6 @@
 """One layer's fold computed from the source checkpoint, as convert stores it and verify re-derives it.
 
-Gets the layer's inputs with the sha256 of exactly their bytes (for provenance) from a ``fetch``
+Gets the layer's inputs with the digest of exactly their bytes (for provenance) from a ``fetch``
 (convert's: handed over by the pass that hashes the source file, :mod:`foldckpt.source_reads`;
 verify's: read here), dequantizes fp8 blocks, refuses NaN/Inf, folds (on the CPU or a GPU),
 measures the error against fp64 on sampled heads, and hashes the result once, head block by head
@@ -9,7 +9,6 @@ block (the leaves of :mod:`foldckpt.hashing`'s per-head tree).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -36,7 +35,7 @@ from foldckpt.fold import (
     within_one_rounding,
 )
 from foldckpt.geometry import Geometry
-from foldckpt.hashing import head_digests
+from foldckpt.hashing import head_digests, tensor_digest
 from foldckpt.manifest import FoldTensor, ScaleTensor, SourceTensor
 from foldckpt.plan import FOLD_DTYPES, ConversionPlan, LayerPlan, SourceWeight
 from foldckpt.safetensors_format import TORCH_DTYPES, TensorInfo, read_tensor_bytes, tensor_to_bytes
@@ -66,7 +65,7 @@ class LayerInputs:
         return bound <= torch.finfo(dtype).max / 2  # False for NaN and Inf
 
 
-# (file, header info) -> the tensor's bytes and their sha256.
+# (file, header info) -> the tensor's bytes and their tensor digest (foldckpt.hashing).
 Fetch = Callable[[str, TensorInfo], tuple[bytearray | memoryview, str]]
 
 
@@ -75,15 +74,15 @@ def reader(directory: Path) -> Fetch:
 
     def fetch(file: str, info: TensorInfo) -> tuple[bytearray, str]:
         data = read_tensor_bytes(directory / file, info)
-        return data, hashlib.sha256(data).hexdigest()
+        return data, tensor_digest(data)
 
     return fetch
 
 
 def _load(fetch: Fetch, file: str, info: TensorInfo) -> tuple[torch.Tensor, SourceTensor]:
-    data, sha256 = fetch(file, info)
+    data, digest = fetch(file, info)
     tensor = torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype]).reshape(info.shape)
-    return tensor, SourceTensor(info.name, file, sha256)
+    return tensor, SourceTensor(info.name, file, digest)
 
 
 def _load_weight(
@@ -263,7 +262,7 @@ def fold_from_source(
         file=shard,
         dtype=layer.output.dtype,
         shape=geometry.fold_shape,
-        head_sha256=leaves[0],
+        head_blake3=leaves[0],
         sources=inputs.sources,
         error=error.to_dict(),
         scale=scale_record,

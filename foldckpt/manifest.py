@@ -13,11 +13,13 @@ recomputed) cannot be told from the real thing by the manifest alone: users pin 
 the sha256 of the ``foldckpt.json`` file (``verify`` and ``inspect`` print it, ``sha256sum`` gives
 the same), and ``read_manifest(expect_sha256=...)`` refuses any other.
 
-Format 3 (this one) records one sha256 per head block of each fold (:mod:`foldckpt.hashing`) and,
-per sidecar, the sha256 of its header: the header and the head blocks tile the file, so every
-sidecar byte is covered by exactly one digest and convert hashes each fold byte once. Format 2 also
-kept a whole-file sha256 of each sidecar (every fold byte hashed twice); format 1 recorded per-rank
-hashes for the TP sizes chosen at convert time. Both are refused with the command that rewrites them.
+Format 4 (this one) records one BLAKE3 digest per head block of each fold and of each source tensor
+a fold was computed from (tensor bytes; :mod:`foldckpt.hashing` says why), and a sha256 per file:
+per source file of the whole file, per sidecar of its header. The header and the head blocks tile a
+sidecar, so every sidecar byte is covered by exactly one digest and convert hashes each fold byte
+once. Format 3 had sha256 where format 4 has BLAKE3; format 2 also kept a whole-file sha256 of each
+sidecar (every fold byte hashed twice); format 1 recorded per-rank hashes for the TP sizes chosen
+at convert time. All are refused with the command that rewrites them.
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ from foldckpt.defaults import SCALED_FOLD_DTYPES
 from foldckpt.errors import FoldckptError, ManifestError
 from foldckpt.files import atomic_output, parse_json
 from foldckpt.geometry import Geometry
-from foldckpt.hashing import LEAF_RULE, RANK_RULE
+from foldckpt.hashing import LEAF_RULE, RANK_RULE, TENSOR_DIGEST_RULE
 from foldckpt.safetensors_format import tensor_nbytes
 
 MANIFEST_NAME = "foldckpt.json"
 FORMAT_NAME = "foldckpt"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 DIGEST_KEY = "manifest_sha256"
 DIGEST_RULE = (
     f"sha256 of the manifest without '{DIGEST_KEY}', encoded as JSON with sorted keys, "
@@ -51,9 +53,11 @@ SCALE_RULE = (
     "<layer prefix>.self_attn.q_fold.weight_scale, F32 [H*(L+R)]: W_fold ~= weight * weight_scale[:, None], "
     "weight_scale = amax(|row|) / 448, weight = row / weight_scale rounded once to e4m3 (OCP e4m3fn)"
 )
-SIDECAR_RULE = "header_sha256 covers bytes [0, 8 + header length); the folds' head_sha256 cover the rest"
+SIDECAR_RULE = "header_sha256 covers bytes [0, 8 + header length); the folds' head_blake3 cover the rest"
 LAYOUT = "head-major [H*(L+R), Lq]; rank r of tp owns rows [r*H/tp*(L+R), (r+1)*H/tp*(L+R))"
 _MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+# Older formats this one replaced, refused with the command that rewrites them (format 1 below).
+_OLDER_FORMATS = {2: "whole-file sidecar hashes", 3: "sha256 head and source-tensor digests"}
 
 
 @dataclass(frozen=True)
@@ -83,14 +87,14 @@ class SidecarRecord:
 
 @dataclass(frozen=True)
 class SourceTensor:
-    """Where a fold's input came from, with the sha256 of exactly the bytes that were read."""
+    """Where a fold's input came from, with the tensor digest (BLAKE3) of exactly the bytes read."""
 
     name: str
     file: str
-    sha256: str
+    blake3: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "file": self.file, "sha256": self.sha256}
+        return {"name": self.name, "file": self.file, "blake3": self.blake3}
 
 
 @dataclass(frozen=True)
@@ -102,23 +106,23 @@ class ScaleTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    head_sha256: tuple[str, ...]
+    head_blake3: tuple[str, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "head_sha256": list(self.head_sha256)}
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "head_blake3": list(self.head_blake3)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ScaleTensor:
         return cls(
             str(data["name"]), str(data["dtype"]), tuple(int(d) for d in data["shape"]),
-            tuple(str(h) for h in data["head_sha256"]),
+            tuple(str(h) for h in data["head_blake3"]),
         )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class FoldTensor:
     """One stored fold tensor and everything needed to check it: the leaves of its per-head hash
-    tree (``head_sha256[h]``: sha256 of head h's rows of the stored bytes), its sources, its error."""
+    tree (``head_blake3[h]``: BLAKE3 of head h's rows of the stored bytes), its sources, its error."""
 
     name: str
     layer_index: int
@@ -126,7 +130,7 @@ class FoldTensor:
     file: str
     dtype: str
     shape: tuple[int, int]
-    head_sha256: tuple[str, ...]
+    head_blake3: tuple[str, ...]
     sources: tuple[SourceTensor, ...]
     error: dict[str, Any]
     scale: ScaleTensor | None = None
@@ -148,7 +152,7 @@ class FoldTensor:
             "file": self.file,
             "dtype": self.dtype,
             "shape": list(self.shape),
-            "head_sha256": list(self.head_sha256),
+            "head_blake3": list(self.head_blake3),
             **({"weight_scale": self.scale.to_dict()} if self.scale is not None else {}),
             "sources": [source.to_dict() for source in self.sources],
             "error_vs_fp64": self.error,
@@ -163,8 +167,8 @@ class FoldTensor:
             file=str(data["file"]),
             dtype=str(data["dtype"]),
             shape=(int(data["shape"][0]), int(data["shape"][1])),
-            head_sha256=tuple(str(h) for h in data["head_sha256"]),
-            sources=tuple(SourceTensor(s["name"], s["file"], s["sha256"]) for s in data["sources"]),
+            head_blake3=tuple(str(h) for h in data["head_blake3"]),
+            sources=tuple(SourceTensor(s["name"], s["file"], s["blake3"]) for s in data["sources"]),
             error=dict(data["error_vs_fp64"]),
             scale=ScaleTensor.from_dict(data["weight_scale"]) if "weight_scale" in data else None,
         )
@@ -219,7 +223,8 @@ class Manifest:
                 **({"scale": SCALE_RULE} if self.fold_dtype in SCALED_FOLD_DTYPES else {}),
             },
             "integrity": {
-                "head_sha256": LEAF_RULE, "rank_digest": RANK_RULE, "sidecar": SIDECAR_RULE, DIGEST_KEY: DIGEST_RULE,
+                "head_blake3": LEAF_RULE, "rank_digest": RANK_RULE, "sources": TENSOR_DIGEST_RULE, "sidecar": SIDECAR_RULE,
+                DIGEST_KEY: DIGEST_RULE,
             },  # fmt: skip
             "parameters": self.parameters,
             "tensors": {name: t.to_dict() for name, t in self.tensors.items()},
@@ -335,11 +340,11 @@ def read_manifest(out_dir: Path, expect_sha256: str | None = None) -> Manifest:
             f"{data.get('tool_version')}; foldckpt {__version__} reads format {FORMAT_VERSION} only: "
             "reconvert (foldckpt convert MODEL_DIR OUT_DIR --restart)",
         )  # fmt: skip
-    if version == 2:
+    if isinstance(version, int) and version in _OLDER_FORMATS:
         raise FoldckptError.at(
-            path, f"written in manifest format 2 (whole-file sidecar hashes) by foldckpt {data.get('tool_version')}; "
-            f"foldckpt {__version__} reads format {FORMAT_VERSION} only: reconvert (foldckpt convert MODEL_DIR "
-            "OUT_DIR --restart)",
+            path, f"written in manifest format {version} ({_OLDER_FORMATS[version]}) by foldckpt "
+            f"{data.get('tool_version')}; foldckpt {__version__} reads format {FORMAT_VERSION} only: reconvert "
+            "(foldckpt convert MODEL_DIR OUT_DIR --restart)",
         )  # fmt: skip
     if version != FORMAT_VERSION:
         raise bad(f"format_version {version!r} is not one foldckpt {__version__} reads ({FORMAT_VERSION}): edited, or written by another foldckpt")

@@ -4,8 +4,9 @@ Why: at Kimi-K3 scale a conversion reads about 1.4 TB of sources (hashed for the
 writes a few GB of folds, so it should take the time that one read of the sources and one write of
 the folds take. The fold's inputs (q_b_proj, kv_b_proj and their fp8 scales) lie inside those
 files: the pass that hashes a file copies them out as it goes by, and digests each of them (the
-manifest's per-tensor provenance) from the same bytes, so no source byte is read twice and the
-fold of a layer starts as soon as the pass has gone past its inputs, long before the file's end.
+manifest's per-tensor provenance, BLAKE3 beside the file's sha256) from the same bytes, so no
+source byte is read twice and the fold of a layer starts as soon as the pass has gone past its
+inputs, long before the file's end.
 
 Memory stays a few layers' inputs whatever the layout, in buffers reused from layer to layer
 (:class:`~foldckpt.direct_io.BufferPool`; the fold is done with a layer's inputs once it takes the
@@ -18,7 +19,7 @@ Copies are also bounded by a byte budget, and a pass never waits for the fold on
 where a copy would exceed the budget it is not made, and the fold reads that tensor itself
 (``IOCounters.reread`` counts it).
 
-On a resumed run, the folds journaled by the earlier run record the sha256 of each input they were
+On a resumed run, the folds journaled by the earlier run record the digest of each input they were
 made from; the pass checks those digests too, so a source that changed between the two runs is
 refused, naming the file and the tensor.
 """
@@ -26,7 +27,6 @@ refused, naming the file and the tensor.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import threading
 import time
@@ -39,7 +39,7 @@ from typing import Any
 
 from foldckpt.direct_io import BufferPool, DiskPriority
 from foldckpt.errors import FoldckptError
-from foldckpt.hashing import HashJob, RangeCheck, hash_job
+from foldckpt.hashing import HashJob, RangeCheck, hash_job, tensor_digest
 from foldckpt.manifest import FileRecord
 from foldckpt.safetensors_format import TensorInfo, read_tensor_bytes
 
@@ -60,7 +60,7 @@ class _Slot:
 
     ready: threading.Event = field(default_factory=threading.Event)
     data: memoryview | None = None
-    sha256: str | None = None
+    digest: str | None = None
     error: BaseException | None = None
 
 
@@ -68,7 +68,8 @@ class _Slot:
 class IOCounters:
     """Bytes moved by one conversion and the busy time of each stage (summed over threads), for
     the benchmark and ``--json``: ``read`` counts every byte read from a source (``reread`` the
-    fold inputs read a second time), ``hashed`` every byte fed to sha256, ``staged`` every byte
+    fold inputs read a second time), ``hashed`` every byte fed to a digest (a fold input's bytes
+    twice: its file's sha256 and its own BLAKE3), ``staged`` every byte
     the sidecar writer copied into its direct-I/O staging buffer (page-aligned folds are not)."""
 
     read: int = 0
@@ -116,7 +117,7 @@ class SourceReads:
     inputs still to be folded in this run -> the position (in fold order) of the layer that takes
     them (copied when the budget allows; default budget: ``LOOKAHEAD_LAYERS + 2`` layers' inputs, room for
     the layer being folded, the ones ahead and a file that interleaves layers);
-    ``recorded``: (file, tensor) -> sha256 an earlier run's fold recorded (checked); ``priority``:
+    ``recorded``: (file, tensor) -> digest an earlier run's fold recorded (checked); ``priority``:
     the run's, whose foreground transfers the passes over files that feed no layer wait for.
     ``on_hashed(name, record)`` runs in the pass's thread when a file's digest is known.
     """
@@ -181,7 +182,7 @@ class SourceReads:
     # -- the fold's side ------------------------------------------------------------------------
 
     def take(self, file: str, info: TensorInfo) -> tuple[bytearray | memoryview, str]:
-        """The bytes of one fold input and their sha256: handed over by the pass over ``file`` (once
+        """The bytes of one fold input and their tensor digest: handed over by the pass over ``file`` (once
         it went past them), or read here when that pass did not copy them or ``file`` is not hashed
         in this run. The fold takes its layers in order, one at a time: taking a layer's first input
         tells that the fold is done with the inputs of the layers before it, whose buffers go back
@@ -205,10 +206,10 @@ class SourceReads:
                 with self._lock:
                     self._held -= slot.data.nbytes
                 self._lent.append(slot.data)
-                return slot.data, str(slot.sha256)
+                return slot.data, str(slot.digest)
         data = read_tensor_bytes(self.out_dir / file, info)
         self.counters.add(read=len(data), hashed=len(data), reread=len(data) if slot is not None else 0)
-        return data, hashlib.sha256(data).hexdigest()
+        return data, tensor_digest(data)
 
     # -- the passes ------------------------------------------------------------------------------
 
@@ -253,7 +254,7 @@ class SourceReads:
                 if check.expected is not None and ranges[(start, end)] != check.expected:
                     raise FoldckptError.at(
                         self.out_dir / name, f"tensor '{check.tensor}' changed since an earlier run of this "
-                        "conversion folded it (its sha256 differs from the journaled one); refusing to mix "
+                        "conversion folded it (its digest differs from the journaled one); refusing to mix "
                         "results: restore the file, or pass --restart to start over", check.tensor,
                     )  # fmt: skip
         self.on_hashed(name, FileRecord(size, str(whole)))
@@ -293,12 +294,12 @@ class _Capture:
         self.reserved[bound] = bound[1] - bound[0]
         return self.reads.pool.get(bound[1] - bound[0])
 
-    def end(self, bound: tuple[int, int], sha256: str, data: memoryview | None) -> None:
+    def end(self, bound: tuple[int, int], digest: str, data: memoryview | None) -> None:
         slot = self.reads._slots.get(self.by_bound[bound])
         if slot is None or slot.ready.is_set():
             return
         self.reserved.pop(bound, None)  # from now on the fold's to release (take)
-        slot.data, slot.sha256 = data, sha256
+        slot.data, slot.digest = data, digest
         slot.ready.set()
 
     def give_up(self, error: BaseException | None) -> None:

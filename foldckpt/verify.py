@@ -23,8 +23,8 @@ relative to OUT_DIR, and the tensor where there is one):
    fold function), count the layers this machine reproduces bitwise, and probe ``x·W_foldᵀ``
    against the unfolded two-step query on random x. At most one layer's tensors are in memory.
 
-Cost: ``content`` hashes each byte once and the folds a second time (their head leaves: about 2%
-more sha256 work for DeepSeek-V3, 0.2% for Kimi-K3).
+Cost: ``content`` hashes each byte once: the source files with sha256, the sidecars' head blocks
+(and headers) with their BLAKE3 leaves (:mod:`foldckpt.hashing`), about a quarter of the CPU per byte.
 """
 
 from __future__ import annotations
@@ -249,9 +249,9 @@ def _judge(
     for tensor, heads in failed.items():
         where = f"head(s) {describe_heads(heads)}"
         if rank:
-            problems.append(Problem(job.name, f"rank {rank} rows of '{tensor}' differ from their head sha256 in {MANIFEST_NAME} ({where})", tensor))
+            problems.append(Problem(job.name, f"rank {rank} rows of '{tensor}' differ from their head digests in {MANIFEST_NAME} ({where})", tensor))
         else:
-            what = f"tensor '{tensor}' differs from its head sha256 in {MANIFEST_NAME} in {where} (rank slices affected: {_ranks_affected(manifest, heads)})"
+            what = f"tensor '{tensor}' differs from its head digests in {MANIFEST_NAME} in {where} (rank slices affected: {_ranks_affected(manifest, heads)})"
             problems.append(Problem(job.name, what, tensor))
     return problems
 
@@ -264,7 +264,7 @@ def check_content(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> 
     workers = options.workers or default_workers(all_cached([out_dir / job.name for job in ordered]))
     workers = max(1, min(workers, len(ordered)))
     with (
-        progress_bar(total, "sha256", "B", options.progress) as bar,
+        progress_bar(total, "hashing", "B", options.progress) as bar,
         worker_pool(workers) as pool,
     ):
         futures = {job.name: pool.submit(hash_job, out_dir / job.name, job, bar.update) for job in ordered}
@@ -280,7 +280,7 @@ def check_content(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> 
     else:
         heads = manifest.geometry.num_heads * len(manifest.tensors)
         scope = f"{len(manifest.source_files)} source files and {heads} head blocks of {len(manifest.tensors)} folds"
-    return _level("content", problems, f"sha256 of {scope} ({total / 1e9:.2f} GB) match", bytes_read=total)
+    return _level("content", problems, f"digests of {scope} ({total / 1e9:.2f} GB) match", bytes_read=total)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,12 +399,12 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
             problems.append(Problem(MANIFEST_NAME, f"no fold recorded for MLA layer {layer.layer.index}", layer.output.name))
             continue
         inputs = load_layer_inputs(plan, layer, allow_nonfinite=True)
-        recorded = {source.name: source.sha256 for source in record.sources}
-        changed = [source for source in inputs.sources if recorded.get(source.name) != source.sha256]
+        recorded = {source.name: source.blake3 for source in record.sources}
+        changed = [source for source in inputs.sources if recorded.get(source.name) != source.blake3]
         for source in changed:
             if file_intact(source.file):  # the bytes are those converted: the manifest's record is wrong
                 problems.append(Problem(
-                    MANIFEST_NAME, f"the recorded sha256 of source tensor '{source.name}' does not match its bytes in "
+                    MANIFEST_NAME, f"the recorded digest of source tensor '{source.name}' does not match its bytes in "
                     f"{source.file}, although {source.file} matches its recorded sha256: the manifest is inconsistent",
                     source.name,
                 ))  # fmt: skip
@@ -420,8 +420,8 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
         for part in record.parts():
             info = header[part.name]
             data = read_tensor_bytes(out_dir / record.file, info)
-            if head_digests(data, geometry.num_heads) != part.head_sha256:  # only when called without content
-                problems.append(Problem(record.file, f"tensor '{part.name}' differs from its head sha256 in {MANIFEST_NAME}", part.name))
+            if head_digests(data, geometry.num_heads) != part.head_blake3:  # only when called without content
+                problems.append(Problem(record.file, f"tensor '{part.name}' differs from its head digests in {MANIFEST_NAME}", part.name))
                 break
             stored_parts.append(torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype]).reshape(info.shape))
         else:

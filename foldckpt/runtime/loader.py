@@ -13,9 +13,9 @@ plain row range for any TP size dividing the heads, see ARCHITECTURE.md "Layout"
 and checks each head block against its leaf of the manifest's per-head hash tree before a single
 value reaches the model: corrupted bytes never serve. It also hashes the layer's fold inputs
 (q_b_proj and kv_b_proj, as served beside the fold) against the manifest: a fold never serves
-beside weights it was not made from. That costs a read and a sha256 of those tensors once per
-layer and rank (some 80 MB per Kimi-K3 layer in bf16, 2 GB for the model, about 1.5 s of one
-core), against the minutes an engine takes to start.
+beside weights it was not made from. That costs a read and a BLAKE3 of those tensors once per
+layer and rank (some 80 MB per Kimi-K3 layer in bf16, 2 GB for the model, under half a second of
+one core), against the minutes an engine takes to start.
 """
 
 from __future__ import annotations
@@ -74,14 +74,14 @@ class FoldSet:
     def read_rows(self, layer: MLALayer, tp_size: int, tp_rank: int) -> torch.Tensor:
         """The fold rows of ``layer`` that tensor-parallel rank ``tp_rank`` of ``tp_size`` owns (any
         size dividing the heads), as a CPU tensor of the stored dtype, after checking each of its
-        heads against the manifest's head sha256, and that the source tensors it was folded from
+        heads against the manifest's head digests, and that the source tensors it was folded from
         (the q_b_proj and kv_b_proj served beside it) hold the bytes the manifest records."""
         record = self.manifest.tensors[layer.q_fold]
         changed = changed_fold_inputs(self.model_dir, record.sources)
         if changed:
             raise FoldckptError.at(
                 self.model_dir / changed[0].file, f"tensor '{changed[0].name}' is not the one '{record.name}' was "
-                f"folded from (its sha256 differs from the one in {MANIFEST_NAME}): the fold belongs to other weights; "
+                f"folded from (its digest differs from the one in {MANIFEST_NAME}): the fold belongs to other weights; "
                 f"{_REMEDY}", changed[0].name,
             )  # fmt: skip
         rows = self._read_checked(record, record.file, tp_size, tp_rank)
@@ -101,19 +101,19 @@ class FoldSet:
         head_bytes = info.nbytes // self.geometry.num_heads
         data = read_tensor_bytes(path, info, first * head_bytes, stop * head_bytes)
         leaves = head_digests(data, stop - first)
-        bad = [first + i for i, leaf in enumerate(leaves) if leaf != part.head_sha256[first + i]]
+        bad = [first + i for i, leaf in enumerate(leaves) if leaf != part.head_blake3[first + i]]
         if bad:
             start, end = self.geometry.rank_rows(tp_size, tp_rank)
             raise FoldckptError.at(
-                path, f"tensor '{part.name}' rows [{start}, {end}) (heads {describe_heads(bad)}) do not match the "
-                f"sha256 in {MANIFEST_NAME}; the sidecar is corrupted: {_REMEDY}", part.name,
+                path, f"tensor '{part.name}' rows [{start}, {end}) (heads {describe_heads(bad)}) do not match their "
+                f"head digests in {MANIFEST_NAME}; the sidecar is corrupted: {_REMEDY}", part.name,
             )  # fmt: skip
         return torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype])
 
     def rank_digest(self, layer: MLALayer, tp_size: int, tp_rank: int) -> str:
         """The recorded digest of a rank's rows of ``layer``, derived from its heads' leaves."""
         first, stop = self.geometry.rank_heads(tp_size, tp_rank)
-        return rank_digest(self.manifest.tensors[layer.q_fold].head_sha256[first:stop])
+        return rank_digest(self.manifest.tensors[layer.q_fold].head_blake3[first:stop])
 
 
 def open_fold_set(model_dir: Path, expect_sha256: str | None = None) -> FoldSet:

@@ -4,7 +4,7 @@ Why here: vLLM's loaders only stream files listed in the checkpoint index, and t
 deliberately unlisted (so stock vLLM ignores them). The ``q_fold`` projection therefore gets a
 quant method of its own, :class:`SidecarFoldMethod`: vLLM calls ``process_weights_after_loading``
 on every linear layer once the checkpoint is in, and ours first copies this rank's rows of the fold
-(read and sha256-checked by :mod:`foldckpt.runtime.loader`) into the weight, then hands over to the
+(read and checked against its head digests by :mod:`foldckpt.runtime.loader`) into the weight, then hands over to the
 stock unquantized post-processing (which repacks the weight on CPU, re-strides it on ROCm). So the
 fold is filled exactly when and where a normal checkpoint tensor would be, on every platform.
 

@@ -252,7 +252,7 @@ def test_corrupted_sidecar_stops_the_engine_naming_the_file(engine_dir: Path, k3
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert f"FoldckptError: {path}: tensor '{name}'" in log
-    assert "do not match the sha256" in log
+    assert "do not match their head digests" in log
 
 
 def test_hybrid_kimi_k3_reaches_engine_ready_with_every_mla_fold_loaded(engine_dir: Path,

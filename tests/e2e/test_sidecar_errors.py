@@ -54,7 +54,7 @@ def test_corrupted_sidecar_stops_the_engine(engine_dir: Path, converted_bf16: Pa
     returncode, log = _start(engine_dir, "corrupted-sidecar", model)
     assert returncode != 0
     assert f"FoldckptError: {sidecar}: tensor 'model.layers.1.self_attn.q_fold.weight'" in log
-    assert "do not match the sha256" in log
+    assert "do not match their head digests" in log
 
 
 @pytest.mark.e2e

@@ -390,7 +390,7 @@ def test_progress_without_a_tty_is_plain_lines(kimi: Path, tmp_path: Path) -> No
     assert [line.split()[1] for line in folding] == ["1/3", "2/3", "3/3"]
     verify = run_foldckpt("verify", tmp_path / "out")
     assert verify.returncode == 0 and "\r" not in verify.stderr
-    assert re.fullmatch(r"sha256: [\d.]+ [KMG]?B/[\d.]+ [KMG]?B \(100%\) in \d+\.\d s.*\n", verify.stderr), verify.stderr
+    assert re.fullmatch(r"hashing: [\d.]+ [KMG]?B/[\d.]+ [KMG]?B \(100%\) in \d+\.\d s.*\n", verify.stderr), verify.stderr
 
 
 def test_progress_lines_are_periodic_not_per_update(kimi: Path, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from blake3 import blake3
 from safetensors import safe_open
 
 from foldckpt import defaults
@@ -22,6 +24,7 @@ from foldckpt.fold import ROUNDING_TOLERANCE, dequantize_fp8_blocks
 from foldckpt.geometry import read_geometry
 from foldckpt.manifest import MANIFEST_NAME, read_manifest
 from foldckpt.plan import plan_conversion
+from foldckpt.runtime.loader import open_fold_set
 from foldckpt.safetensors_format import read_header
 from foldckpt.synthetic import make_checkpoint
 from foldckpt.verify import VerifyOptions, verify
@@ -133,15 +136,38 @@ def test_a_rerun_with_another_link_mode_places_the_sources_again(
     assert (out_dir / MANIFEST_NAME).read_bytes() == manifest
 
 
-def test_head_hashes_and_sidecar_sharding(make_model: Callable[..., Path], tmp_path: Path) -> None:
+def _stored_bytes(path: Path, name: str) -> bytes:
+    """A tensor's bytes as the real safetensors library reads them."""
+    with safe_open(str(path), framework="pt") as handle:
+        return handle.get_tensor(name).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_every_recorded_digest_is_its_definition_and_sidecars_shard(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    """Each digest of the manifest recomputed here, with hashlib and the blake3 library on bytes read
+    by safetensors: sha256 of every whole file and sidecar header, BLAKE3 of every head block of a
+    fold and of every source tensor it was folded from (the rules the manifest states)."""
     model_dir = make_model("kimi_k3", layers=8)
     out_dir = tmp_path / "out"
     result = convert(model_dir, out_dir, ConvertOptions(progress=False, max_shard_size=700_000, tp_sizes=(2,)))
     manifest = read_manifest(out_dir)
     assert len(result.sidecars) == len(manifest.tensors) == 3  # MLA at 4 and 8 (1-based, 8 is the last) + MTP
-    tensor = next(iter(manifest.tensors.values()))
-    assert len(tensor.head_sha256) == manifest.geometry.num_heads == 8
-    for tp in (1, 4, 8):  # not the --tp given: the per-head hashes serve every size dividing H
+    heads = manifest.geometry.num_heads
+    for name, record in manifest.source_files.items():
+        assert record.sha256 == hashlib.sha256((out_dir / name).read_bytes()).hexdigest(), name
+    for name, record in manifest.sidecars.items():
+        header = (out_dir / name).read_bytes()[: 8 + int.from_bytes((out_dir / name).read_bytes()[:8], "little")]
+        assert record.header_sha256 == hashlib.sha256(header).hexdigest(), name
+    for tensor in manifest.tensors.values():
+        data = _stored_bytes(out_dir / tensor.file, tensor.name)
+        block = len(data) // heads
+        assert tensor.head_blake3 == tuple(blake3(data[h * block : (h + 1) * block]).hexdigest() for h in range(heads))
+        for source in tensor.sources:
+            assert source.blake3 == blake3(_stored_bytes(model_dir / source.file, source.name)).hexdigest(), source.name
+    assert {"head_blake3", "rank_digest", "sources", "sidecar"} <= set(json.loads((out_dir / MANIFEST_NAME).read_text())["integrity"])
+    layer = next(iter(manifest.geometry.layers))
+    leaves = manifest.tensors[layer.q_fold].head_blake3
+    assert open_fold_set(out_dir).rank_digest(layer, 4, 1) == blake3(b"".join(bytes.fromhex(leaf) for leaf in leaves[2:4])).hexdigest()
+    for tp in (1, 4, 8):  # not the --tp given: the per-head digests serve every size dividing H
         for rank in range(tp):
             assert verify(out_dir, VerifyOptions(progress=False, rank=rank, tp=tp)).ok
 

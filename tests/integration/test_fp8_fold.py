@@ -117,7 +117,7 @@ def test_deep_refuses_an_fp8_value_two_steps_off_when_every_hash_was_resealed(co
     data = (out_dir / record.file).read_bytes()
     info = tensor_info(out_dir / record.file, name)
     leaves = head_digests(data[info.start : info.end], manifest.geometry.num_heads)
-    write_manifest(out_dir, dataclasses.replace(manifest, tensors={**manifest.tensors, name: dataclasses.replace(record, head_sha256=leaves)}))
+    write_manifest(out_dir, dataclasses.replace(manifest, tensors={**manifest.tensors, name: dataclasses.replace(record, head_blake3=leaves)}))
     assert run_verify(out_dir, "content").ok  # every hash agrees ...
     level = failed_level(run_verify(out_dir), "deep")  # ... the math does not
     assert [(p.file, p.tensor) for p in level.problems] == [(record.file, name)]

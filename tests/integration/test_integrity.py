@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.errors import FoldckptError, ManifestError
-from foldckpt.manifest import MANIFEST_NAME, encode_manifest, manifest_digest, read_manifest
+from foldckpt.manifest import FORMAT_VERSION, MANIFEST_NAME, encode_manifest, manifest_digest, read_manifest
 from foldckpt.runtime.loader import open_fold_set, served_fold_set
 from foldckpt.safetensors_format import read_header
 from foldckpt.verify import VerifyOptions, verify
@@ -115,7 +115,7 @@ def test_the_loader_refuses_a_flipped_byte_for_the_rank_that_owns_it_only(conver
                 rows = fold_set.read_rows(layer, tp, rank)
                 assert tuple(rows.shape) == (fold_set.geometry.fold_shape[0] // tp, fold_set.geometry.q_lora_rank)
                 continue
-            with pytest.raises(FoldckptError, match=r"\(heads 5\) do not match the sha256") as caught:
+            with pytest.raises(FoldckptError, match=r"\(heads 5\) do not match their head digests") as caught:
                 fold_set.read_rows(layer, tp, rank)
             assert caught.value.path == str(out_dir / record.file) and caught.value.tensor == record.name
     other = fold_set.geometry.layers[0]
@@ -125,7 +125,7 @@ def test_the_loader_refuses_a_flipped_byte_for_the_rank_that_owns_it_only(conver
 def test_the_loader_refuses_a_fold_beside_weights_it_was_not_made_from(converted: Converted) -> None:
     """The manifest and sidecar of one model put into the conversion of another of the same shapes
     (and a fold input rewritten in place at the same size): every file has its recorded size and
-    every head its recorded sha256, all the loader checked, so vLLM served the other model's fold
+    every head its recorded digest, all the loader checked, so vLLM served the other model's fold
     (wrong tokens from the second one on). Now each fold's inputs are hashed as served."""
     _, ours = converted("kimi_k3", ConvertOptions(progress=False, link="copy"), seed=0)
     _, theirs = converted("kimi_k3", ConvertOptions(progress=False, link="copy"), seed=1)
@@ -504,7 +504,7 @@ def test_verify_deep_runs_in_bounded_address_space_whatever_the_file_sizes(make_
     assert "verified in" in run.stdout
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_an_output_of_an_older_manifest_format_is_refused_then_replaced_by_restart(converted: Converted, version: int) -> None:
     model_dir, out_dir = converted("deepseek_v3")
     path = out_dir / MANIFEST_NAME
@@ -512,10 +512,17 @@ def test_an_output_of_an_older_manifest_format_is_refused_then_replaced_by_resta
     if version == 1:
         del data["manifest_sha256"]
         data.update(format_version=1, tp_sizes=[1, 2, 4, 8])
-    else:  # format 2: whole-file sidecar hashes, self-digested
+    elif version == 2:  # whole-file sidecar hashes, self-digested
         data["format_version"] = 2
         for record in data["sidecars"].values():
             record["sha256"] = record.pop("header_sha256")
+        data["manifest_sha256"] = manifest_digest(data)
+    else:  # sha256 where format 4 has BLAKE3, self-digested
+        data["format_version"] = 3
+        for tensor in data["tensors"].values():
+            tensor["head_sha256"] = tensor.pop("head_blake3")
+            for source in tensor["sources"]:
+                source["sha256"] = source.pop("blake3")
         data["manifest_sha256"] = manifest_digest(data)
     path.write_bytes(encode_manifest(data))
     for attempt in (lambda: open_fold_set(out_dir), lambda: convert(model_dir, out_dir, ConvertOptions(progress=False))):
@@ -523,4 +530,4 @@ def test_an_output_of_an_older_manifest_format_is_refused_then_replaced_by_resta
             attempt()
         assert not isinstance(caught.value, ManifestError)  # unusable input (exit 2), not a failed check
     convert(model_dir, out_dir, ConvertOptions(progress=False, restart=True))
-    assert read_manifest(out_dir).format_version == 3 and check(out_dir).ok
+    assert read_manifest(out_dir).format_version == FORMAT_VERSION == 4 and check(out_dir).ok

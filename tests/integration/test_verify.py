@@ -112,7 +112,7 @@ def reseal_manifest(out_dir: Path) -> None:
         path = out_dir / tensor.file
         info = tensor_info(path, name)
         data = path.read_bytes()[info.start : info.end]
-        tensors[name] = dataclasses.replace(tensor, head_sha256=head_digests(data, manifest.geometry.num_heads))
+        tensors[name] = dataclasses.replace(tensor, head_blake3=head_digests(data, manifest.geometry.num_heads))
     sidecars = {name: SidecarRecord((out_dir / name).stat().st_size, header_sha256(read_header(out_dir / name))) for name in manifest.sidecars}
     write_manifest(out_dir, dataclasses.replace(manifest, tensors=tensors, sidecars=sidecars))
 
@@ -189,7 +189,7 @@ def test_a_flipped_byte_in_any_sidecar_fold_fails_content_naming_the_file_and_te
     level = failed_level(run_verify(out_dir), "content")
     assert files_named(level.problems) == {sidecar}
     (problem,) = level.problems
-    assert problem.tensor == tensor and f"tensor '{tensor}' differs from its head sha256" in problem.what
+    assert problem.tensor == tensor and f"tensor '{tensor}' differs from its head digests" in problem.what
 
 
 def test_a_flipped_byte_in_a_sidecar_header_fails_structure(converted: Converted) -> None:
@@ -391,8 +391,8 @@ def test_a_flipped_hex_digit_anywhere_in_the_manifest_fails_its_first_level(conv
     needle = {
         "file": manifest.source_files["model-00002-of-00003.safetensors"].sha256,
         "sidecar": manifest.sidecars[SIDECARS[2]].header_sha256,
-        "head": tensor.head_sha256[5],
-        "source": tensor.sources[1].sha256,
+        "head": tensor.head_blake3[5],
+        "source": tensor.sources[1].blake3,
     }[record]
     flip_hex_digit_after(out_dir, needle[:40])
     level = failed_level(run_verify(out_dir), "manifest")
@@ -480,7 +480,7 @@ def test_a_manifest_file_name_escaping_the_output_is_refused_before_any_read(con
 def test_a_resigned_manifest_whose_head_hash_disagrees_with_the_bytes_names_that_head(converted: Converted) -> None:
     _, out_dir = converted("kimi_k3", SMALL_SHARDS)
     name = fold_names(out_dir, SIDECARS[1])[0]
-    resign_raw(out_dir, lambda d: d["tensors"][name]["head_sha256"].__setitem__(2, "0" * 64))
+    resign_raw(out_dir, lambda d: d["tensors"][name]["head_blake3"].__setitem__(2, "0" * 64))
     level = failed_level(run_verify(out_dir), "content")
     (problem,) = level.problems  # one digest per byte: the bytes and their head digest disagree, nothing else
     assert (problem.file, problem.tensor) == (SIDECARS[1], name) and "head(s) 2" in problem.what
