@@ -134,8 +134,9 @@ def bf16_outpaces_fp32() -> bool:
     Sapphire Rapids VM whose hypervisor hides AMX, as on this project's 2-core VMs) does as many
     fp32 FMAs as bf16 products per cycle, and oneDNN's bf16 path costs more there. Measured per
     Kimi-K3 layer (ms of CPU, 2 threads): that Intel VM 266-280 through oneDNN against 176-189 in
-    fp32; an AMD EPYC VM (AVX512-BF16) 152 against 285 for the fp32 path of the time (which made
-    dense copies first, about 35 ms more)."""
+    fp32; an Intel Xeon with AMX (the H200 host) 106-111 against 219-246; an AMD EPYC VM
+    (AVX512-BF16) 152 against 285 for the fp32 path of the time (which made dense copies first,
+    about 35 ms more)."""
     if getattr(torch.cpu, "_is_amx_tile_supported", bool)():
         return True
     return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", bool)()) and _cpu_vendor() == "AuthenticAMD"
