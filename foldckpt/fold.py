@@ -29,8 +29,9 @@ from foldckpt.geometry import Geometry
 # OCP float8_e4m3fn's largest finite value.
 FP8_MAX = 448.0
 
-# Heads folded per matmul: bounds the fp32 working set to a few MB per head regardless of H.
-_HEADS_PER_CHUNK = 8
+# Heads folded per matmul: bounds the fp32 working set to a few MB per head regardless of H (a
+# Kimi-K3 chunk's fp32 product is 12.6 MB; 8 heads cost as much CPU, and 30 MB more at the peak).
+_HEADS_PER_CHUNK = 4
 
 # Acceptance bound on the relative Frobenius error of a stored fold vs the fp64 fold: one rounding
 # to the dtype costs at most half an ulp per element, i.e. 2^-9 relative for bf16.
@@ -82,9 +83,7 @@ def fold_chunks(
     same algorithm (fp32 inputs and accumulation; TF32 is switched off for the duration)."""
     q_heads, kv_heads = _per_head(q_b, kv_b, g)
     p = g.qk_nope_head_dim
-    # One product buffer for every chunk (each chunk is valid until the next): fresh 25 MB buffers
-    # cost page faults that slowed the CPU fold by half.
-    product = torch.empty(min(_HEADS_PER_CHUNK, g.num_heads), g.kv_lora_rank, g.q_lora_rank, device=device)
+    product = _product_buffer((min(_HEADS_PER_CHUNK, g.num_heads), g.kv_lora_rank, g.q_lora_rank), torch.device(device))
     with _ieee_fp32_matmul(torch.device(device)):
         for chunk in _head_chunks(g.num_heads):
             # converted straight from the strided slices, W_UKᵀ a transposed view (the GEMM reads
@@ -94,6 +93,20 @@ def fold_chunks(
             out = product[: chunk.stop - chunk.start]
             torch.bmm(w_uk_t, q_nope, out=out)
             yield chunk, out, q_heads[chunk, p:]
+
+
+def _product_buffer(shape: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+    """The fp32 product buffer of one head chunk (each chunk is valid until the next), kept by each
+    thread from layer to layer on the CPU. Why: a fresh one per layer is a new mapping to fault in
+    (fresh buffers per chunk slowed the CPU fold by half), and once one is freed glibc serves the
+    next from its heap, which keeps the pages: a 16-layer Kimi-K3 conversion peaked 25 MB higher.
+    On a GPU, torch's caching allocator reuses the memory anyway."""
+    if device.type != "cpu":
+        return torch.empty(shape, device=device)
+    if getattr(_workspaces, "product_shape", None) != shape:
+        _workspaces.product_shape = shape
+        _workspaces.product = torch.empty(shape)
+    return _workspaces.product
 
 
 @contextmanager
