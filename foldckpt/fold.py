@@ -144,7 +144,7 @@ def bf16_outpaces_fp32() -> bool:
     """Whether this CPU multiplies bf16 matrices faster than fp32 ones: with AMX tiles, or with
     AVX512-BF16 on an AMD core (Zen 4 and later: a bf16 dot product does twice the multiply-adds of
     an fp32 FMA per cycle there). An Intel core with AVX512-BF16 but no AMX (Cooper Lake, or a
-    Sapphire Rapids VM whose hypervisor hides AMX, as on this project's 2-core VMs) does as many
+    Sapphire Rapids VM whose hypervisor hides AMX, as this project's current 2-core VM) does as many
     fp32 FMAs as bf16 products per cycle, and oneDNN's bf16 path costs more there. Measured per
     Kimi-K3 layer (ms of CPU, 2 threads): that Intel VM 266-280 through oneDNN against 176-189 in
     fp32; an Intel Xeon with AMX (the H200 host) 106-111 against 219-246; an AMD EPYC VM

@@ -55,7 +55,7 @@ class LayerInputs:
         return math.isfinite(self.q_b_abs_max) and math.isfinite(self.kv_b_abs_max)
 
     def fold_cannot_overflow(self, g: Geometry, fold_dtype: str) -> bool:
-        """Whether their fold is finite by construction, so that nobody need scan its 85 MB (Kimi-K3,
+        """Whether their fold is finite by construction, so that nobody need scan its 170 MB (Kimi-K3,
         bf16) for Inf: an element of W_UKᵀ·W_qb_nope is a sum of P products, so ``|value| <= P ·
         max|q_b_proj| · max|kv_b_proj|`` (fp32 sums, whose rounding the factor 2 of the margin covers),
         and the q_pe rows are q_b_proj's values; the bound must lie within the fold dtype (an fp8
