@@ -294,7 +294,7 @@ class _VerifyPrinter:
 @click.pass_context
 def verify_command(ctx: click.Context, out_dir: Path, level: str, deep: bool, sample: int | None, rank: int | None,
                    tp: int | None, expect_sha256: str | None, workers: int | None, quiet: bool, as_json: bool) -> None:  # fmt: skip
-    """Check OUT_DIR against its manifest: files, structure, sha256, and (--deep) the math.
+    """Check OUT_DIR against its manifest: files, structure, digests, and (--deep) the math.
 
     First the manifest proves itself unedited (its own digest); its file sha256 is printed: pin
     it with --expect-manifest-sha256 (or FOLDCKPT_EXPECT_MANIFEST_SHA256 when serving).
