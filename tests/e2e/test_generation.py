@@ -24,6 +24,7 @@ from tests.e2e.harness import (
     LOG_LINE,
     PREFILL_TOKENS,
     PROMPTS,
+    TP2_ENV,
     EngineRun,
     assert_bf16_fold_predicts,
     logprob_gaps,
@@ -59,8 +60,7 @@ def folded_fp32_compiled(engine_dir: Path, converted_fp32: Path) -> EngineRun:
 @pytest.fixture(scope="module")
 def folded_fp32_tp2(engine_dir: Path, converted_fp32: Path) -> EngineRun:
     """Two CPU workers (one core each): each loads only its 4 heads' rows of every fold."""
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    return run_engine(engine_dir, "folded-fp32-tp2", converted_fp32, "float32", env=env, logprobs=LOGPROBS,
+    return run_engine(engine_dir, "folded-fp32-tp2", converted_fp32, "float32", env=TP2_ENV, logprobs=LOGPROBS,
                       tensor_parallel_size=2)  # fmt: skip
 
 

