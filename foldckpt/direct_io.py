@@ -19,6 +19,7 @@ the cost differs.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -33,6 +34,9 @@ from contextlib import contextmanager
 ALIGN = 4096
 # One direct read or write: large enough that the per-transfer latency is amortised.
 DIRECT_CHUNK = 8 * 1024 * 1024
+# x86-64's huge page (transparent huge pages back aligned runs of this size); see aligned_buffer.
+HUGE_PAGE = 2 * 1024 * 1024
+_MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 # Buffers per read: one being read into while the caller works on the other.
 _READ_BUFFERS = 2
 # Smaller files are not worth a second open and an aligned buffer.
@@ -50,7 +54,17 @@ def _page_aligned(view: memoryview) -> bool:
 
 
 def aligned_buffer(nbytes: int) -> memoryview:
-    """``nbytes`` of anonymous memory at a page-aligned address (what direct transfers need).
+    """``nbytes`` of anonymous memory at a page-aligned address (what direct transfers need); from
+    ``HUGE_PAGE`` bytes on, at a huge-page boundary and backed by huge pages where the kernel has
+    transparent ones (``MADV_HUGEPAGE``; elsewhere plain pages, the same bytes).
+
+    Huge pages: a block device takes a bounded number of memory segments per request (254 for this
+    project's VM's virtio disk), one per physically contiguous run, so a direct transfer from 4 KiB
+    pages is cut into requests of about 1 MiB, and from 2 MiB pages goes in requests of up to the
+    device's 4 MiB. On that 2-core VM, direct reads of a cold 1.07 GB file into an 8 MiB buffer
+    took 0.75 s with 4 KiB pages and 0.30 s with 2 MiB ones, direct writes + fsync of 1 GB from a
+    170 MB buffer 0.60-0.68 s against 0.42-0.45 s. The first fill of a huge page zeroes 2 MiB at
+    once (a fresh 170 MB buffer: 0.2 s against 0.5 s, once: the buffers are reused).
 
     Private, not shared: Python's default anonymous map is ``MAP_SHARED``, which the kernel backs
     with shmem, whose first touch of each page costs more. On this project's 2-core VM, filling a
@@ -58,7 +72,15 @@ def aligned_buffer(nbytes: int) -> memoryview:
     (about 1.3 GB of such buffers) took 0.9 core-s and 1 s of wall time less."""
     if not nbytes:
         return memoryview(bytearray())
-    return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if nbytes < HUGE_PAGE or _MADV_HUGEPAGE is None:
+        return memoryview(mmap.mmap(-1, nbytes, flags=flags))
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=flags)  # room to start at a huge-page boundary
+    view = memoryview(region)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(view)) % HUGE_PAGE
+    with contextlib.suppress(OSError):  # a kernel without transparent huge pages: plain pages
+        region.madvise(_MADV_HUGEPAGE, start, nbytes - nbytes % HUGE_PAGE)
+    return view[start : start + nbytes]
 
 
 class BufferPool:
@@ -162,13 +184,12 @@ class DiskPriority:
 
 
 def read_direct(
-    fd: int, size: int, segments: list[tuple[int, int]], piece: int, before_transfer: Callable[[], None] | None = None,
+    fd: int, size: int, segments: list[tuple[int, int]], before_transfer: Callable[[], None] | None = None,
     pool: BufferPool | None = None,
 ) -> Iterator[tuple[int, memoryview]]:  # fmt: skip
     """``(offset, bytes)`` of ``segments`` (clipped to ``size``) read through the direct descriptor
-    ``fd`` in aligned ``DIRECT_CHUNK`` transfers, handed out at most ``piece`` bytes at a time
-    (so that each piece is still in the core's cache while the caller's consumers read it), each
-    valid until the next.
+    ``fd`` in aligned ``DIRECT_CHUNK`` transfers, each handed out whole (what a transfer holds of
+    a segment), valid until the next.
 
     The next transfer is in flight while the caller works on the current one: a direct read is
     synchronous, and the page cache's read-ahead that keeps the disk busy behind plain reads does
@@ -206,11 +227,9 @@ def read_direct(
             if isinstance(item, BaseException):
                 raise item
             first, end, base, buffer, count = item
-            pos, stop = first, min(base + count, end)
-            while pos < stop:
-                step = min(piece, stop - pos)
-                yield pos, buffer[pos - base : pos - base + step]
-                pos += step
+            stop = min(base + count, end)
+            if stop > first:
+                yield first, buffer[first - base : stop - base]
             free.put(buffer)
     finally:
         free.put(None)

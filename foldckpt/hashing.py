@@ -232,16 +232,17 @@ def chunks(
     before_transfer: Callable[[], None] | None = None,
     pool: BufferPool | None = None,
 ) -> Iterator[tuple[int, memoryview]]:
-    """``(offset, bytes)`` of ``segments`` (clipped to ``size``) in ``HASH_BUFFER`` steps, each valid
-    until the next: read through ``direct`` (a direct-I/O descriptor of the same file, see
-    :mod:`foldckpt.direct_io`) when given and the filesystem takes its transfers, else from
-    ``handle`` into one fixed buffer with ``preadv``, the next ``_PREFETCH`` bytes asked ahead;
+    """``(offset, bytes)`` of ``segments`` (clipped to ``size``), each valid until the next: read
+    through ``direct`` (a direct-I/O descriptor of the same file, see :mod:`foldckpt.direct_io`)
+    when given and the filesystem takes its transfers, whole transfers of ``DIRECT_CHUNK`` bytes;
+    else from ``handle`` in ``HASH_BUFFER`` steps into one fixed buffer (which stays in the core's
+    cache while sha256 reads it back) with ``preadv``, the next ``_PREFETCH`` bytes asked ahead;
     ``before_transfer`` runs before each read (a background pass waiting for its turn); ``pool``
     lends the direct reads their buffers."""
     if direct is not None:
         started = False
         try:
-            for item in read_direct(direct, size, segments, HASH_BUFFER, before_transfer, pool):
+            for item in read_direct(direct, size, segments, before_transfer, pool):
                 started = True
                 yield item
             return
@@ -267,6 +268,25 @@ def chunks(
                 return  # shorter than recorded: the digests will not match
             yield pos, buffer[:count]
             pos += count
+
+
+def _pieces(
+    transfers: Iterator[tuple[int, memoryview]], bounds: list[tuple[int, int]]
+) -> Iterator[tuple[int, memoryview]]:
+    """The ``transfers`` as :func:`hash_job` feeds them to its digests: cut into ``HASH_BUFFER``
+    pieces where they overlap one of the ``bounds`` (byte ranges: several digests, and a copy, read
+    those bytes, each piece while it is in the core's cache), whole elsewhere. Why whole: each
+    piece costs the pass a trip through Python (this loop, its progress callback) and so a take of
+    the GIL, which the fold's thread and torch's import (convert's first seconds) hold most of the
+    time; the sources of a 16-layer Kimi-K3 benchmark conversion (6.1 GB) are some 5,800 pieces
+    of 1 MiB, and about 1,900 with whole direct transfers (the 1.3 GB of fold inputs stay cut)."""
+    for start, transfer in transfers:
+        end = start + len(transfer)
+        if not any(lo < end and hi > start for lo, hi in bounds):
+            yield start, transfer
+            continue
+        for offset in range(0, len(transfer), HASH_BUFFER):
+            yield start + offset, transfer[offset : offset + HASH_BUFFER]
 
 
 @contextmanager
@@ -311,7 +331,7 @@ def hash_job(
     try:
         with open(path, "rb", buffering=0) as handle, _direct_reads(path, handle, bypass_cache) as (size, direct):
             segments = [(0, size)] if whole is not None else job.segments()
-            for pos, chunk in chunks(handle, size, segments, direct, before_transfer, pool):
+            for pos, chunk in _pieces(chunks(handle, size, segments, direct, before_transfer, pool), bounds):
                 chunk_end = pos + len(chunk)
                 if whole is not None:
                     whole.update(chunk)

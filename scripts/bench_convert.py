@@ -118,7 +118,7 @@ def _read_file(path: Path, direct: bool) -> int:
     fd = open_direct(path, os.O_RDONLY) if direct else None
     if fd is not None:
         try:
-            for _, chunk in read_direct(fd, path.stat().st_size, [(0, path.stat().st_size)], DIRECT_CHUNK):
+            for _, chunk in read_direct(fd, path.stat().st_size, [(0, path.stat().st_size)]):
                 total += chunk.nbytes
         finally:
             os.close(fd)

@@ -14,14 +14,12 @@ import pytest
 from blake3 import blake3
 
 from foldckpt.direct_io import (
-    ALIGN, DIRECT_CHUNK, BufferPool, DiskPriority, DurableAppender, aligned_buffer, direct_reader, open_direct,
-    read_direct,
+    ALIGN, DIRECT_CHUNK, HUGE_PAGE, BufferPool, DiskPriority, DurableAppender, aligned_buffer, direct_reader,
+    open_direct, read_direct,
 )  # fmt: skip
+from foldckpt.files import HASH_BUFFER
 from foldckpt.hashing import HashJob, RangeCheck, hash_job, in_page_cache
 from tests.conftest import direct_io_supported
-
-PIECE = 1 << 20
-
 
 @pytest.fixture
 def data_file(tmp_path: Path) -> tuple[Path, bytes]:
@@ -56,12 +54,12 @@ def test_direct_reads_yield_exactly_the_segments_bytes(data_file: tuple[Path, by
     fd = open_direct(path, os.O_RDONLY)
     assert fd is not None
     try:
-        got = [(pos, bytes(chunk)) for pos, chunk in read_direct(fd, len(data), wanted, PIECE)]
+        got = [(pos, bytes(chunk)) for pos, chunk in read_direct(fd, len(data), wanted)]
     finally:
         os.close(fd)
     for start, end in wanted:
         assert b"".join(chunk for pos, chunk in got if start <= pos < end) == data[start:end]
-    assert all(len(chunk) <= PIECE for _, chunk in got)
+    assert all(len(chunk) <= DIRECT_CHUNK for _, chunk in got)
     assert [pos for pos, _ in got] == sorted(pos for pos, _ in got)
 
 
@@ -71,7 +69,7 @@ def test_direct_reads_stop_at_the_real_end_of_a_shorter_file(data_file: tuple[Pa
     fd = open_direct(path, os.O_RDONLY)
     assert fd is not None
     try:
-        got = b"".join(bytes(chunk) for _, chunk in read_direct(fd, claimed, [(0, claimed)], PIECE))
+        got = b"".join(bytes(chunk) for _, chunk in read_direct(fd, claimed, [(0, claimed)]))
     finally:
         os.close(fd)
     assert got == data
@@ -82,7 +80,7 @@ def test_abandoning_a_direct_read_ends_its_reader_thread(data_file: tuple[Path, 
     fd = open_direct(path, os.O_RDONLY)
     assert fd is not None
     before = {t.ident for t in threading.enumerate()}
-    reads = read_direct(fd, len(data), [(0, len(data))], PIECE)
+    reads = read_direct(fd, len(data), [(0, len(data))])
     next(reads)
     assert any(t.name == "foldckpt-direct-read" for t in threading.enumerate() if t.ident not in before)
     reads.close()
@@ -98,12 +96,12 @@ def test_direct_reads_take_their_buffers_from_the_pool_and_give_them_back(data_f
     fd = open_direct(path, os.O_RDONLY)
     assert fd is not None
     try:
-        first = b"".join(bytes(chunk) for _, chunk in read_direct(fd, len(data), [(0, len(data))], PIECE, pool=pool))
+        first = b"".join(bytes(chunk) for _, chunk in read_direct(fd, len(data), [(0, len(data))], pool=pool))
         kept = [pool.get(DIRECT_CHUNK), pool.get(DIRECT_CHUNK)]
         for buffer in kept:
             buffer[:] = b"\xff" * buffer.nbytes  # what a reused buffer may hold
             pool.put(buffer)
-        again = [(pos, bytes(chunk)) for pos, chunk in read_direct(fd, len(data), [(7, len(data) - 3)], PIECE, pool=pool)]
+        again = [(pos, bytes(chunk)) for pos, chunk in read_direct(fd, len(data), [(7, len(data) - 3)], pool=pool)]
     finally:
         os.close(fd)
     assert first == data and b"".join(chunk for _, chunk in again) == data[7:-3]
@@ -139,6 +137,45 @@ def test_hashing_an_uncached_file_bypasses_the_page_cache_only_when_asked(data_f
         assert direct_reader(path, len(data), cached=lambda: True) is None  # cached files are read plainly
     finally:
         os.close(fd)
+
+
+class _Copy:
+    """A capture that copies every range it is offered."""
+
+    def __init__(self) -> None:
+        self.copies: dict[tuple[int, int], bytes] = {}
+
+    def begin(self, bound: tuple[int, int]) -> memoryview:
+        return memoryview(bytearray(bound[1] - bound[0]))
+
+    def end(self, bound: tuple[int, int], digest: str, data: memoryview | None) -> None:
+        assert data is not None
+        self.copies[bound] = bytes(data)
+
+
+@pytest.mark.parametrize("with_range", [False, True])
+def test_a_direct_pass_feeds_whole_transfers_except_where_a_tensor_is_read(
+    data_file: tuple[Path, bytes], with_range: bool
+) -> None:
+    """Each piece a pass feeds its digests costs a take of the GIL, which torch's import (convert's
+    first seconds) holds: a direct pass feeds whole transfers, and cuts into ``HASH_BUFFER`` pieces
+    only a transfer that overlaps a tensor's range, whose bytes several digests and a copy read
+    while they are in the core's cache."""
+    path, data = data_file
+    bound = (DIRECT_CHUNK + 100, DIRECT_CHUNK + 200)  # inside the second transfer
+    job = HashJob(path.name, len(data), True)
+    if with_range:
+        job.add(*bound, RangeCheck("t", None, None))
+    fed: list[int] = []
+    capture = _Copy()
+    _evict(path)
+    whole, ranges = hash_job(path, job, fed.append, capture, bypass_cache=True)
+    second = [HASH_BUFFER] * (DIRECT_CHUNK // HASH_BUFFER) if with_range else [DIRECT_CHUNK]
+    assert fed == [DIRECT_CHUNK, *second, DIRECT_CHUNK, len(data) - 3 * DIRECT_CHUNK]
+    assert whole == hashlib.sha256(data).hexdigest()
+    if with_range:
+        assert ranges[bound] == blake3(data[bound[0] : bound[1]]).hexdigest()
+        assert capture.copies == {bound: data[bound[0] : bound[1]]}
 
 
 def _appended(path: Path, start: bytes, parts: list[bytes]) -> DurableAppender:
@@ -255,3 +292,29 @@ def test_aligned_buffers_are_page_aligned_private_memory() -> None:
     buffer[::4096] = b"\x01" * len(range(0, 64 << 20, 4096))  # one byte per page: every page is touched
     assert _rss_shmem_kib() - before < 4096  # 64 MiB shared would add 65536 KiB
     assert ctypes.addressof(ctypes.c_char.from_buffer(buffer)) % ALIGN == 0
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The VmFlags of this process's mapping that holds ``address`` (``hg``: advised huge pages)."""
+    region = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                start, end = (int(part, 16) for part in head.split("-"))
+                region = start <= address < end
+            elif region and line.startswith("VmFlags:"):
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="no transparent huge pages")
+def test_buffers_of_a_huge_page_or_more_start_on_one_and_ask_for_huge_pages() -> None:
+    """A direct transfer from 4 KiB pages is cut into requests of at most the device's segment count
+    of pages (254 on this project's VM: about 1 MiB), from 2 MiB pages it is not (reads 2.5x as
+    fast there); a small buffer stays on plain pages."""
+    large, small = aligned_buffer(3 * HUGE_PAGE + ALIGN), aligned_buffer(HUGE_PAGE - ALIGN)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(large))
+    assert address % HUGE_PAGE == 0 and large.nbytes == 3 * HUGE_PAGE + ALIGN
+    assert "hg" in _vm_flags(address)
+    assert "hg" not in _vm_flags(ctypes.addressof(ctypes.c_char.from_buffer(small)))
