@@ -7,9 +7,9 @@ cores. Measured on this project's 2-core test VM (1 GB cold read, 2.7 GB write +
 read costs 1.1-1.5 core-s per GB against 0.13-0.15 direct, a buffered write 0.5-4.4 core-s per GB
 against 0.2-0.5 direct; hashing a 5.7 GB checkpoint while writing its 2.7 GB of folds took 17-19
 core-s of kernel time buffered and 1.6-2.0 direct. Terabyte checkpoints do not fit the page cache
-anyway, so caching what a conversion streams buys nothing. A direct read keeps one transfer in
-flight per file, so where the cores have nothing else to do (``verify``) plain reads with
-prefetch, which keep more of the disk busy, are faster: see ``hashing.hash_job``'s ``bypass_cache``.
+anyway, so caching what a conversion (or ``verify``) streams buys nothing. From huge pages
+(:func:`aligned_buffer`) a direct read also keeps the disk busier than plain reads with prefetch:
+see ``hashing.hash_job``'s ``bypass_cache``.
 
 A file whose bytes are already in the page cache is read through it (a memory copy beats the
 disk), and a filesystem that refuses ``O_DIRECT`` (at open or at the first transfer: tmpfs on

@@ -317,12 +317,14 @@ def hash_job(
     and, with ``capture``, copying the ranges it asks for; ``before_transfer`` as in :func:`chunks`.
     Returns (whole-file digest or None, range digests). ``progress`` may raise to abandon the pass.
 
-    ``bypass_cache``: stream a large file that is not in the page cache with direct I/O, for a
-    caller whose cores are needed by other work (convert's fold): the page cache's copies cost
-    1.1-1.5 core-s per GB there, direct reads 0.13-0.15. Otherwise plain reads with prefetch,
-    which keep more of the disk busy: ``verify --level content`` of a 16-layer conversion (8.8 GB,
-    cold, 2 cores) took 9.5-10.9 s plain and 13.9-15.8 s direct, alternated. ``pool`` lends the
-    direct reads their buffers (one pool for a run's passes: no fresh buffer per file)."""
+    ``bypass_cache``: stream a large file that is not in the page cache with direct I/O (convert's
+    passes and ``verify --level content``): the page cache's copies cost 1.1-1.5 core-s per GB,
+    direct reads 0.13-0.15, and from huge pages (:func:`~foldckpt.direct_io.aligned_buffer`) they
+    keep the disk busier than plain reads with prefetch: ``verify --level content`` of a 16-layer
+    conversion (8.3 GB, cold, 2 cores) took 8.6-9.0 s plain and 3.4-3.5 s direct, alternated.
+    Without it, plain reads (the serving loader's few head blocks of a sidecar it was just
+    handed). ``pool`` lends the direct reads their buffers (one pool for a run's reads: no fresh
+    buffer per file)."""
     whole = hashlib.sha256() if job.whole else None
     bounds = sorted(job.ranges)
     digests = {bound: tensor_hasher() for bound in bounds}

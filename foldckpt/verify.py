@@ -50,6 +50,7 @@ from foldckpt.consistency import (
     sidecar_headers,
 )
 from foldckpt.defaults import DEFAULT_MAX_SHARD_SIZE
+from foldckpt.direct_io import BufferPool
 from foldckpt.errors import FoldckptError, ManifestError
 from foldckpt.files import is_locked, sha256_file, worker_pool
 from foldckpt.hashing import (
@@ -263,11 +264,15 @@ def check_content(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> 
     total = sum(job.read_bytes for job in ordered)
     workers = options.workers or default_workers(all_cached([out_dir / job.name for job in ordered]))
     workers = max(1, min(workers, len(ordered)))
+    buffers = BufferPool()  # the direct reads' buffers, shared by the jobs: none made per file
     with (
         progress_bar(total, "hashing", "B", options.progress) as bar,
         worker_pool(workers) as pool,
     ):
-        futures = {job.name: pool.submit(hash_job, out_dir / job.name, job, bar.update) for job in ordered}
+        futures = {
+            job.name: pool.submit(hash_job, out_dir / job.name, job, bar.update, bypass_cache=True, pool=buffers)
+            for job in ordered
+        }
         digests = {name: future.result() for name, future in futures.items()}
     problems: list[Problem] = []
     rank = f"{options.rank}/{options.tp}" if rank_mode else ""

@@ -289,7 +289,6 @@ def main(total_gb: float, expert_shards: int, layers: int, repeats: int, workdir
             f"sha256sum_x{cores}_processes": lambda d: sha256sum(files, cores),
             "foldckpt_verify_content": lambda d: verify_in_process(out_dir, d),
             "foldckpt_verify_content_cli": lambda d: verify_cli(out_dir, d),
-            "foldckpt_verify_content_cache_filled_by_verify": lambda d: verify_in_process(out_dir, d),
         }
         results: dict[str, dict[str, Any]] = {}
         target: dict[str, Any] = {
@@ -310,13 +309,7 @@ def main(total_gb: float, expert_shards: int, layers: int, repeats: int, workdir
                 busy.append(wait_for_quiet(quiet_wait))
                 parallel.append(hashlib_rate(cores))
                 for name, measure in measures.items():  # interleaved: background load hits all alike
-                    if name.endswith("_cache_filled_by_verify"):
-                        if cache == "cold":
-                            continue
-                        make_cold(files, drop)  # warm, but cached by verify's own cold pass
-                        verify_in_process(out_dir, {})
-                    else:
-                        make_cold(files, drop) if cache == "cold" else make_warm(files, drop)
+                    make_cold(files, drop) if cache == "cold" else make_warm(files, drop)
                     resident = cached_bytes(files)
                     if resident is not None:
                         residency.append(resident / nbytes)
@@ -393,12 +386,8 @@ def main(total_gb: float, expert_shards: int, layers: int, repeats: int, workdir
             ) + "; warm: the same, then every file read twice with plain sequential reads before each run; "
             "residency checked with fincore",
             "note_on_warm_cache_state": (
-                "How the pages got into the cache matters for a memory-mapped pass: verify reads cold files with "
-                "posix_fadvise(WILLNEED) prefetch (the fastest cold read measured here), after which a memory-mapped "
-                "pass over the cached files measured ~15-25% slower than after plain sequential reads (FileHugePages "
-                "showed large page-cache folios after plain reads; forced readahead presumably caches small ones). "
-                "Warm runs therefore start from caches filled by plain reads, and "
-                "'foldckpt_verify_content_cache_filled_by_verify' shows warm verify right after its own cold pass."
+                "verify reads a cold file with direct I/O (past the page cache, the fastest cold read measured "
+                "here), so its own pass leaves nothing cached; warm runs start from caches filled by plain reads"
             ),
             "repeats": repeats,
             "results": results,

@@ -26,10 +26,11 @@ from foldckpt.manifest import MANIFEST_NAME, SidecarRecord, read_manifest, write
 from foldckpt.fold import reference_fold_heads
 from foldckpt.safetensors_format import TORCH_DTYPES, TensorInfo, read_header, read_tensor
 from foldckpt.files import HASH_BUFFER
-from foldckpt.hashing import chunks, head_digests
+from foldckpt.direct_io import DIRECT_CHUNK
+from foldckpt.hashing import chunks, head_digests, in_page_cache
 from foldckpt.manifest import DIGEST_KEY, encode_manifest, manifest_digest
 from foldckpt.verify import LEVELS, LevelResult, Problem, VerifyOptions, VerifyReport, check_deep, verify
-from tests.conftest import run_foldckpt
+from tests.conftest import direct_io_supported, run_foldckpt
 
 Converted = Callable[..., tuple[Path, Path]]
 # Three MLA layers (3, 5 and the MTP layer 6) of ~590 KB folds, one per sidecar.
@@ -556,6 +557,30 @@ def test_the_bounded_reads_yield_exactly_the_file_bytes(converted: Converted) ->
         assert b"".join(chunk for pos, chunk in got if start <= pos < end) == data[start:end]
     assert [pos for pos, _ in got] == sorted(pos for pos, _ in got)
     assert max(len(chunk) for _, chunk in got) == HASH_BUFFER
+
+
+def test_content_streams_cold_files_past_the_page_cache(converted: Converted, tmp_path: Path) -> None:
+    """``--level content`` reads a cold file with direct I/O, which leaves it out of the page cache:
+    from huge pages that kept this project's VM's disk 2.6x as busy as plain reads with prefetch
+    (8.3 GB: 3.4 s against 8.8 s). Files of full Kimi-K3 geometry: the smaller ones are read
+    plainly."""
+    if not direct_io_supported(tmp_path):
+        pytest.skip("this filesystem has no O_DIRECT")
+    _, out_dir = converted("kimi_k3", layers=4, shards=1, full_geometry=True)
+    large = [path for path in out_dir.iterdir() if path.stat().st_size >= DIRECT_CHUNK]
+    assert len(large) >= 2  # the source shard and the sidecar
+    os.sync()
+    for path in large:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    assert run_verify(out_dir, "content").ok
+    for path in large:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert not in_page_cache(fd, path.stat().st_size), path.name
+        finally:
+            os.close(fd)
 
 
 def test_a_file_evicted_from_the_page_cache_is_read_and_still_named_when_damaged(converted: Converted) -> None:

@@ -119,9 +119,9 @@ def test_a_pool_reuses_a_buffer_only_for_its_own_size() -> None:
 
 
 def test_hashing_an_uncached_file_bypasses_the_page_cache_only_when_asked(data_file: tuple[Path, bytes]) -> None:
-    """convert's passes (``bypass_cache``) read an uncached file directly and leave it uncached;
-    every other hashing (verify) reads it through the page cache, with prefetch; a cached file is
-    always read plainly."""
+    """convert's passes and verify (``bypass_cache``) read an uncached file directly and leave it
+    uncached; without it (the serving loader's head reads) it is read through the page cache, with
+    prefetch; a cached file is always read plainly."""
     path, data = data_file
     job = HashJob(path.name, len(data), True)
     job.add(100, 200, RangeCheck("t", None, None))
