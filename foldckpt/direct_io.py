@@ -46,11 +46,16 @@ _UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
+def buffer_address(view: memoryview) -> int:
+    """The address of ``view``'s first byte (a writable view: ctypes takes no read-only buffer)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
 def _page_aligned(view: memoryview) -> bool:
     """Whether ``view`` starts at an ``ALIGN``-aligned address (a read-only view counts as not)."""
     if view.readonly:
         return False
-    return ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGN == 0
+    return buffer_address(view) % ALIGN == 0
 
 
 def aligned_buffer(nbytes: int) -> memoryview:
@@ -77,7 +82,7 @@ def aligned_buffer(nbytes: int) -> memoryview:
         return memoryview(mmap.mmap(-1, nbytes, flags=flags))
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=flags)  # room to start at a huge-page boundary
     view = memoryview(region)
-    start = -ctypes.addressof(ctypes.c_char.from_buffer(view)) % HUGE_PAGE
+    start = -buffer_address(view) % HUGE_PAGE
     with contextlib.suppress(OSError):  # a kernel without transparent huge pages: plain pages
         region.madvise(_MADV_HUGEPAGE, start, nbytes - nbytes % HUGE_PAGE)
     return view[start : start + nbytes]

@@ -322,8 +322,8 @@ def hash_job(
     direct reads 0.13-0.15, and from huge pages (:func:`~foldckpt.direct_io.aligned_buffer`) they
     keep the disk busier than plain reads with prefetch: ``verify --level content`` of a 16-layer
     conversion (8.3 GB, cold, 2 cores) took 8.6-9.0 s plain and 3.4-3.5 s direct, alternated.
-    Without it, plain reads (the serving loader's few head blocks of a sidecar it was just
-    handed). ``pool`` lends the direct reads their buffers (one pool for a run's reads: no fresh
+    Without it, plain reads (:func:`~foldckpt.consistency.heads_intact`: a few head blocks of a
+    sidecar, for the serving loader and convert's resume checks). ``pool`` lends the direct reads their buffers (one pool for a run's reads: no fresh
     buffer per file)."""
     whole = hashlib.sha256() if job.whole else None
     bounds = sorted(job.ranges)

@@ -17,6 +17,17 @@ from foldckpt.synthetic import make_checkpoint
 REPO = Path(__file__).resolve().parent.parent
 
 
+def evict_from_page_cache(*paths: Path) -> None:
+    """Write back and drop the files' pages from the page cache, so that the next read is cold."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def run_foldckpt(*args: str | Path, timeout: float = 300, **kwargs: object) -> subprocess.CompletedProcess[str]:
     """Run the real command line in a subprocess (exit codes and stderr as a user sees them)."""
     return subprocess.run(

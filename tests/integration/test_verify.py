@@ -30,7 +30,7 @@ from foldckpt.direct_io import DIRECT_CHUNK
 from foldckpt.hashing import chunks, head_digests, in_page_cache
 from foldckpt.manifest import DIGEST_KEY, encode_manifest, manifest_digest
 from foldckpt.verify import LEVELS, LevelResult, Problem, VerifyOptions, VerifyReport, check_deep, verify
-from tests.conftest import direct_io_supported, run_foldckpt
+from tests.conftest import direct_io_supported, evict_from_page_cache, run_foldckpt
 
 Converted = Callable[..., tuple[Path, Path]]
 # Three MLA layers (3, 5 and the MTP layer 6) of ~590 KB folds, one per sidecar.
@@ -569,11 +569,7 @@ def test_content_streams_cold_files_past_the_page_cache(converted: Converted, tm
     _, out_dir = converted("kimi_k3", layers=4, shards=1, full_geometry=True)
     large = [path for path in out_dir.iterdir() if path.stat().st_size >= DIRECT_CHUNK]
     assert len(large) >= 2  # the source shard and the sidecar
-    os.sync()
-    for path in large:
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+    evict_from_page_cache(*large)
     assert run_verify(out_dir, "content").ok
     for path in large:
         fd = os.open(path, os.O_RDONLY)
@@ -587,11 +583,7 @@ def test_a_file_evicted_from_the_page_cache_is_read_and_still_named_when_damaged
     _, out_dir = converted("deepseek_v3")
     shard = "model-00002-of-00003.safetensors"
     flip_byte(out_dir / shard, (out_dir / shard).stat().st_size // 2)
-    os.sync()
-    for path in out_dir.iterdir():
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+    evict_from_page_cache(*out_dir.iterdir())
     level = failed_level(run_verify(out_dir), "content")
     assert files_named(level.problems) == {shard}
 

@@ -3,7 +3,6 @@ ones whatever the alignment, and the page cache really is bypassed where the fil
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import threading
@@ -14,12 +13,12 @@ import pytest
 from blake3 import blake3
 
 from foldckpt.direct_io import (
-    ALIGN, DIRECT_CHUNK, HUGE_PAGE, BufferPool, DiskPriority, DurableAppender, aligned_buffer, direct_reader,
-    open_direct, read_direct,
+    ALIGN, DIRECT_CHUNK, HUGE_PAGE, BufferPool, DiskPriority, DurableAppender, aligned_buffer, buffer_address,
+    direct_reader, open_direct, read_direct,
 )  # fmt: skip
 from foldckpt.files import HASH_BUFFER
 from foldckpt.hashing import HashJob, RangeCheck, hash_job, in_page_cache
-from tests.conftest import direct_io_supported
+from tests.conftest import direct_io_supported, evict_from_page_cache
 
 @pytest.fixture
 def data_file(tmp_path: Path) -> tuple[Path, bytes]:
@@ -29,15 +28,6 @@ def data_file(tmp_path: Path) -> tuple[Path, bytes]:
     path = tmp_path / "data.bin"
     path.write_bytes(data)
     return path, data
-
-
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +118,7 @@ def test_hashing_an_uncached_file_bypasses_the_page_cache_only_when_asked(data_f
     fd = os.open(path, os.O_RDONLY)
     try:
         for bypass_cache in (True, False):
-            _evict(path)
+            evict_from_page_cache(path)
             assert not in_page_cache(fd, len(data))
             whole, ranges = hash_job(path, job, bypass_cache=bypass_cache)
             assert in_page_cache(fd, len(data)) != bypass_cache
@@ -168,7 +158,7 @@ def test_a_direct_pass_feeds_whole_transfers_except_where_a_tensor_is_read(
         job.add(*bound, RangeCheck("t", None, None))
     fed: list[int] = []
     capture = _Copy()
-    _evict(path)
+    evict_from_page_cache(path)
     whole, ranges = hash_job(path, job, fed.append, capture, bypass_cache=True)
     second = [HASH_BUFFER] * (DIRECT_CHUNK // HASH_BUFFER) if with_range else [DIRECT_CHUNK]
     assert fed == [DIRECT_CHUNK, *second, DIRECT_CHUNK, len(data) - 3 * DIRECT_CHUNK]
@@ -291,7 +281,7 @@ def test_aligned_buffers_are_page_aligned_private_memory() -> None:
     buffer = aligned_buffer(64 << 20)
     buffer[::4096] = b"\x01" * len(range(0, 64 << 20, 4096))  # one byte per page: every page is touched
     assert _rss_shmem_kib() - before < 4096  # 64 MiB shared would add 65536 KiB
-    assert ctypes.addressof(ctypes.c_char.from_buffer(buffer)) % ALIGN == 0
+    assert buffer_address(buffer) % ALIGN == 0
 
 
 def _vm_flags(address: int) -> set[str]:
@@ -314,7 +304,7 @@ def test_buffers_of_a_huge_page_or_more_start_on_one_and_ask_for_huge_pages() ->
     of pages (254 on this project's VM: about 1 MiB), from 2 MiB pages it is not (reads 2.5x as
     fast there); a small buffer stays on plain pages."""
     large, small = aligned_buffer(3 * HUGE_PAGE + ALIGN), aligned_buffer(HUGE_PAGE - ALIGN)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(large))
+    address = buffer_address(large)
     assert address % HUGE_PAGE == 0 and large.nbytes == 3 * HUGE_PAGE + ALIGN
     assert "hg" in _vm_flags(address)
-    assert "hg" not in _vm_flags(ctypes.addressof(ctypes.c_char.from_buffer(small)))
+    assert "hg" not in _vm_flags(buffer_address(small))
