@@ -19,6 +19,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import shutil
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from concurrent.futures import Executor, Future, wait
@@ -79,7 +80,7 @@ from foldckpt.signals import import_torch
 from foldckpt.source_reads import IOCounters, SourceReads
 
 if TYPE_CHECKING:
-    from foldckpt.layer import Fetch, FoldBuffers
+    from foldckpt.layer import Fetch, FoldRing
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "ConvertOptions", "ConvertResult", "LayerOutcome", "convert"]
 
@@ -562,16 +563,16 @@ def _hash_and_fold(
         try:
             with _collector_paused():
                 import_torch()  # only once there is something to fold
-                from foldckpt.layer import FoldBuffers
+                from foldckpt.layer import FoldRing
 
                 require_fold_device(device, "nothing was folded: rerun with --device cpu or auto, and --restart")
-                buffers = FoldBuffers()
+                ring = FoldRing(waiting=lambda: counters.timed("fold_waiting_for_writes"))
                 for shard in plan.shards:
                     if journal.shard(shard.name).done and (out_dir / shard.name).exists():
                         fold_bar.update(len(shard.layers))
                         continue
                     folded += _write_shard(
-                        plan, shard, out_dir, journal, options, (reads.take, device, buffers), counters, leaf_pool,
+                        plan, shard, out_dir, journal, options, (reads.take, device, ring), counters, leaf_pool,
                         write_pool, fold_bar, priority,
                     )  # fmt: skip
                 reads.wait()
@@ -606,18 +607,19 @@ def _write_shard(
     out_dir: Path,
     journal: Journal,
     options: ConvertOptions,
-    source: tuple[Fetch, str, FoldBuffers],
+    source: tuple[Fetch, str, FoldRing],
     counters: IOCounters,
     leaf_pool: Executor,
     write_pool: Executor,
     bar: Any,
     priority: DiskPriority,
 ) -> list[str]:
-    """Write (or finish) one sidecar shard; returns the folds (tensor names) made in this run. Layer
-    i + 1 is folded while layer i is written and fsynced; each is journaled once durable."""
+    """Write (or finish) one sidecar shard; returns the folds (tensor names) made in this run. Each
+    head chunk of a layer's fold is written while the next is folded, and each layer is fsynced and
+    journaled once whole and checked, while the next layer is folded."""
     from foldckpt.layer import fold_from_source  # torch: only once there is something to fold
 
-    fetch, device, buffers = source
+    fetch, device, ring = source
     progress = journal.shard(shard.name)
     writer = ShardWriter(out_dir / shard.name, shard.specs, SIDECAR_METADATA, progress.offset, priority)
     if progress.offset == 0:
@@ -630,11 +632,20 @@ def _write_shard(
             progress.tensors.clear()
             progress.offset = writer.restart()
     folded: list[str] = []
+    writes = _SidecarWrites(write_pool, ring)
 
-    def append(data: list[memoryview], record: FoldTensor, layer_index: int) -> None:
+    def write(buffer: memoryview) -> None:
         with counters.timed("write"):
-            offset = writer.append(data)
-        counters.add(written=sum(part.nbytes for part in data))
+            writer.write([buffer])
+        counters.add(written=buffer.nbytes)
+
+    def emit(buffer: memoryview) -> None:
+        counters.add(hashed=buffer.nbytes)  # the head leaves: each fold byte once
+        writes.chunk(write, buffer)
+
+    def journal_layer(record: FoldTensor, layer_index: int) -> None:
+        with counters.timed("write"):
+            offset = writer.sync()
         with journal.lock:
             progress.offset = offset
             progress.tensors[record.name] = record.to_dict()
@@ -642,23 +653,18 @@ def _write_shard(
         bar.set_postfix(layer=layer_index, relerr=f"{record.rel_fro_error:.1e}")
         bar.update(1)
 
-    writing: Future[None] | None = None
     try:
         for layer in shard.layers:
             if layer.output.name in progress.tensors:
                 bar.update(1)
                 continue
             with counters.timed("fold"):
-                data, record = fold_from_source(
-                    plan, layer, shard.name, leaf_pool, options.allow_nonfinite, fetch, device, buffers
-                )  # the buffers are reused by the fold after next: this layer's write is awaited before it
-            counters.add(hashed=sum(part.nbytes for part in data))  # the head leaves: each fold byte once
-            if writing is not None:
-                writing.result()
-            writing = write_pool.submit(append, data, record, layer.layer.index)
+                record = fold_from_source(
+                    plan, layer, shard.name, leaf_pool, ring, emit, options.allow_nonfinite, fetch, device
+                )
+            writes.then(journal_layer, record, layer.layer.index)
             folded.append(record.name)
-        if writing is not None:
-            writing.result()
+        writes.wait()
         # Journal the finished shard before renaming it: a kill in between then costs a recheck
         # and a rename on resume, where the reverse order would redo the whole shard.
         with journal.lock:
@@ -669,11 +675,73 @@ def _write_shard(
             journal.fingerprints[shard.name] = {"out": fingerprint(out_dir / shard.name)}
             journal.save()
     finally:
-        if writing is not None:
-            wait([writing])
+        writes.stop()
         writer.close()
         counters.add(staged=writer.staged)
     return folded
+
+
+class _SidecarWrites:
+    """The write thread's work for one shard, in order: each fold chunk written as the fold hands it
+    over (its ring buffer given back once written), then each layer made durable and journaled.
+    The first failure skips the rest (their buffers still go back) and is raised in the fold's
+    thread at its next hand-over."""
+
+    def __init__(self, pool: Executor, ring: FoldRing) -> None:
+        self._pool = pool
+        self._ring = ring
+        self._pending: deque[Future[None]] = deque()
+        self._failure: BaseException | None = None
+        self._stopped = False
+
+    def chunk(self, write: Callable[[memoryview], None], buffer: memoryview) -> None:
+        """Write ``buffer`` (a chunk from the ring) after what was handed over before."""
+
+        def run() -> None:
+            try:
+                self._run(write, buffer)
+            finally:
+                self._ring.give_back(buffer)
+
+        try:
+            self._submit(run)
+        except BaseException:
+            self._ring.give_back(buffer)
+            raise
+
+    def then(self, work: Callable[..., None], *args: Any) -> None:
+        """Run ``work(*args)`` once everything handed over before is written."""
+        self._submit(lambda: self._run(work, *args))
+
+    def wait(self) -> None:
+        """Wait for everything handed over; raise the first failure."""
+        while self._pending:
+            self._pending.popleft().result()
+        self._raise_failure()
+
+    def stop(self) -> None:
+        """Skip what was not started yet and wait for what was (the writer closes next)."""
+        self._stopped = True
+        wait(self._pending)
+        self._pending.clear()
+
+    def _submit(self, run: Callable[[], None]) -> None:
+        self._raise_failure()
+        while self._pending and self._pending[0].done():
+            self._pending.popleft()
+        self._pending.append(self._pool.submit(run))
+
+    def _run(self, work: Callable[..., None], *args: Any) -> None:
+        if self._failure is not None or self._stopped:
+            return
+        try:
+            work(*args)
+        except BaseException as exc:
+            self._failure = exc
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
 
 
 def _journal_matches_layout(writer: ShardWriter, progress: ShardProgress, shard: ShardPlan) -> bool:

@@ -244,78 +244,89 @@ def read_direct(
 
 
 class DurableAppender:
-    """Appends to a file at a known offset and makes each append durable (fsync), through direct
-    writes where the filesystem has them.
+    """Appends to a file at a known offset, through direct writes where the filesystem has them,
+    and makes what it appended durable on :meth:`sync` (fsync).
 
     A direct write covers whole aligned blocks, so the bytes of the last, partial block of what the
     file holds (``_tail``, under ``ALIGN`` bytes) are kept here and rewritten in front of the next
-    append; the file is cut back to its exact size after each append. ``offset`` is always the
-    durable size of the file. Bytes go through an aligned staging buffer, except the whole blocks
-    of a page-aligned part that starts on a block boundary of the file: those are written straight
-    from the caller's memory (a fold buffer, :func:`aligned_buffer`): on this project's 2-core VM
-    the appends of 8 Kimi-K3 folds took 0.25 core-s staged, 0.035 straight. ``staged`` counts the
-    bytes copied.
+    write; the file is cut back to its exact size after each. ``offset`` is always the durable size
+    of the file, ``end`` the size written. Bytes go through an aligned staging buffer, except the
+    whole blocks of a page-aligned part that starts on a block boundary of the file: those are
+    written straight from the caller's memory (a fold buffer, :func:`aligned_buffer`): on this
+    project's 2-core VM the appends of 8 Kimi-K3 folds took 0.25 core-s staged, 0.035 straight.
+    ``staged`` counts the bytes copied.
     """
 
     def __init__(
         self, path: os.PathLike[str] | str, fd: int, offset: int, priority: DiskPriority | None = None
     ) -> None:
         """``fd``: the file open for reading and writing (plain); its first ``offset`` bytes are
-        kept. With ``priority``, every append is a foreground transfer."""
+        kept. With ``priority``, every write is a foreground transfer."""
         self.fd = fd
         self.priority = priority
-        self.offset = offset
+        self.offset = self.end = offset
         self._direct = open_direct(path, os.O_WRONLY)
         self._stage = aligned_buffer(DIRECT_CHUNK) if self._direct is not None else None
         self._tail = os.pread(fd, offset % ALIGN, _align_down(offset)) if self._direct is not None else b""
         self.staged = 0
 
     def truncate(self, offset: int) -> None:
-        """Drop everything after ``offset`` (durably, at the next append or now if nothing follows)."""
+        """Drop everything after ``offset`` (durably, at the next sync or now if nothing follows)."""
         os.ftruncate(self.fd, offset)
-        self.offset = offset
+        self.offset = self.end = offset
         if self._direct is not None:
             self._tail = os.pread(self.fd, offset % ALIGN, _align_down(offset))
 
     def append(self, parts: list[memoryview]) -> int:
-        """Write ``parts`` in order after ``offset``, fsync, and return the new durable offset."""
-        if self.priority is None:
-            return self._append(parts)
-        with self.priority.foreground():
-            return self._append(parts)
+        """Write ``parts`` in order after ``end``, fsync, and return the new durable offset."""
+        self.write(parts)
+        return self.sync()
 
-    def _append(self, parts: list[memoryview]) -> int:
+    def write(self, parts: list[memoryview]) -> None:
+        """Write ``parts`` in order after ``end`` (durable at the next :meth:`sync`); the caller may
+        reuse their memory once this returns."""
+        if self.priority is None:
+            self._write(parts)
+            return
+        with self.priority.foreground():
+            self._write(parts)
+
+    def sync(self) -> int:
+        """Make everything written durable; returns the durable offset."""
+        os.fsync(self.fd)
+        self.offset = self.end
+        return self.offset
+
+    def _write(self, parts: list[memoryview]) -> None:
         if self._direct is not None:
             try:
-                self._append_direct(parts)
+                self._write_direct(parts)
             except OSError as exc:
                 if not refused(exc):
                     raise
                 self._fall_back()
-                self._append_plain(parts)
+                self._write_plain(parts)
         else:
-            self._append_plain(parts)
-        os.fsync(self.fd)
-        self.offset += sum(part.nbytes for part in parts)
-        return self.offset
+            self._write_plain(parts)
+        self.end += sum(part.nbytes for part in parts)
 
     def close(self) -> None:
         if self._direct is not None:
             os.close(self._direct)
             self._direct = None
 
-    def _append_plain(self, parts: list[memoryview]) -> None:
-        position = self.offset
+    def _write_plain(self, parts: list[memoryview]) -> None:
+        position = self.end
         for part in parts:
             view = part.cast("B")
             while view.nbytes:
                 written = os.pwrite(self.fd, view, position)
                 view, position = view[written:], position + written
 
-    def _append_direct(self, parts: list[memoryview]) -> None:
+    def _write_direct(self, parts: list[memoryview]) -> None:
         assert self._direct is not None and self._stage is not None
         stage, direct = self._stage, self._direct
-        block = _align_down(self.offset)  # the file offset stage[0] goes to
+        block = _align_down(self.end)  # the file offset stage[0] goes to
         filled = len(self._tail)
         stage[:filled] = self._tail
         for part in parts:
@@ -350,6 +361,6 @@ class DurableAppender:
     def _fall_back(self) -> None:
         """Forget direct I/O for this file: the filesystem took the flag but refuses the transfers."""
         self.close()
-        os.ftruncate(self.fd, self.offset)  # whatever a failed direct write may have left
+        os.ftruncate(self.fd, self.end)  # whatever a failed direct write may have left
         self._stage = None
         self._tail = b""

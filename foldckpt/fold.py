@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -78,18 +78,24 @@ def fold_chunks(
     q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, device: torch.device | str = "cpu"
 ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
     """The exact fold, ``_HEADS_PER_CHUNK`` heads at a time: ``(heads, ql_nope rows [n, L, Lq] fp32 on
-    device (valid until the next chunk), q_pe rows [n, R, Lq] as stored in q_b_proj)``. Every stored fold dtype is one rounding of
-    these values, so the fp32 working set is one chunk of heads whatever H is, and a GPU runs the
-    same algorithm (fp32 inputs and accumulation; TF32 is switched off for the duration)."""
+    device (valid until the next chunk), q_pe rows [n, R, Lq] as stored in q_b_proj)``. Every stored
+    fold dtype is one rounding of these values, so the fp32 working set is one chunk of heads
+    whatever H is, and a GPU runs the same algorithm (fp32 inputs and accumulation; TF32 is
+    switched off for the duration). A GPU gets each input in one copy (82 MB for a Kimi-K3 layer),
+    not one per chunk: 24 small synchronous copies a layer were most of a GPU fold's time."""
+    device = torch.device(device)
     q_heads, kv_heads = _per_head(q_b, kv_b, g)
+    q_nope_heads, kv_nope_heads = q_heads, kv_heads
+    if device.type != "cpu":
+        q_nope_heads, kv_nope_heads = _per_head(q_b.to(device), kv_b.to(device), g)
     p = g.qk_nope_head_dim
-    product = _product_buffer((min(_HEADS_PER_CHUNK, g.num_heads), g.kv_lora_rank, g.q_lora_rank), torch.device(device))
-    with _ieee_fp32_matmul(torch.device(device)):
+    product = _product_buffer((min(_HEADS_PER_CHUNK, g.num_heads), g.kv_lora_rank, g.q_lora_rank), device)
+    with _ieee_fp32_matmul(device):
         for chunk in _head_chunks(g.num_heads):
             # converted straight from the strided slices, W_UKᵀ a transposed view (the GEMM reads
             # it as it is): dense copies first cost a fifth more of a CPU fold (one GEMM, the same bytes)
-            q_nope = q_heads[chunk, :p].to(device=device, dtype=torch.float32)
-            w_uk_t = kv_heads[chunk, :p].to(device=device, dtype=torch.float32).transpose(1, 2)  # [n, L, P]
+            q_nope = q_nope_heads[chunk, :p].to(dtype=torch.float32)
+            w_uk_t = kv_nope_heads[chunk, :p].to(dtype=torch.float32).transpose(1, 2)  # [n, L, P]
             out = product[: chunk.stop - chunk.start]
             torch.bmm(w_uk_t, q_nope, out=out)
             yield chunk, out, q_heads[chunk, p:]
@@ -167,6 +173,35 @@ def _cpu_vendor() -> str:
     return ""
 
 
+# The fold's output for a run of heads: ``take(heads)`` is where the chunk's stored values go.
+ChunkOutput = Callable[[slice], torch.Tensor]
+
+
+def fold_layer_chunks(
+    q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, out_dtype: torch.dtype, device: torch.device | str,
+    take: ChunkOutput,
+) -> Iterator[tuple[slice, torch.Tensor]]:  # fmt: skip
+    """The fold of one layer, ``_HEADS_PER_CHUNK`` heads at a time: fp32 accumulation (on
+    ``device``), one rounding to ``out_dtype``, written into ``take(heads)`` (``[n, L+R, Lq]``),
+    which is yielded with its heads. Why by chunk: a consumer can hash, check and write each chunk
+    while the next is folded, so that no layer's fold (170 MB for Kimi-K3 in bf16) is ever held whole."""
+    lora, p = g.kv_lora_rank, g.qk_nope_head_dim
+    if onednn_bf16_fold(q_b, kv_b, out_dtype, device):
+        q_heads, kv_heads = _per_head(q_b, kv_b, g)
+        for chunk in _head_chunks(g.num_heads):
+            out = take(chunk)
+            w_uk_t = kv_heads[chunk, :p].transpose(1, 2).contiguous()  # [n, L, P]
+            torch.bmm(w_uk_t, q_heads[chunk, :p].contiguous(), out=out[:, :lora])
+            out[:, lora:].copy_(q_heads[chunk, p:])
+            yield chunk, out
+        return
+    for chunk, ql_nope, q_pe in fold_chunks(q_b, kv_b, g, device):
+        out = take(chunk)
+        out[:, :lora].copy_(ql_nope if ql_nope.device.type == "cpu" else ql_nope.to(out_dtype))
+        out[:, lora:].copy_(q_pe)
+        yield chunk, out
+
+
 def fold_layer(
     q_b: torch.Tensor,
     kv_b: torch.Tensor,
@@ -175,24 +210,13 @@ def fold_layer(
     device: torch.device | str = "cpu",
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The head-major fold ``[H*(L+R), Lq]`` of one layer on the CPU: fp32 accumulation (on
-    ``device``), one rounding to ``out_dtype``, written straight into ``out`` (a fresh tensor when
-    None)."""
+    """The head-major fold ``[H*(L+R), Lq]`` of one layer (:func:`fold_layer_chunks`), whole, in
+    ``out`` (a fresh tensor when None)."""
     shape = (g.num_heads, g.fold_head_dim, g.q_lora_rank)
-    out = torch.empty(shape, dtype=out_dtype) if out is None else out.view(shape)
-    lora = g.kv_lora_rank
-    if onednn_bf16_fold(q_b, kv_b, out_dtype, device):
-        q_heads, kv_heads = _per_head(q_b, kv_b, g)
-        p = g.qk_nope_head_dim
-        for chunk in _head_chunks(g.num_heads):
-            w_uk_t = kv_heads[chunk, :p].transpose(1, 2).contiguous()  # [n, L, P]
-            torch.bmm(w_uk_t, q_heads[chunk, :p].contiguous(), out=out[chunk, :lora])
-            out[chunk, lora:].copy_(q_heads[chunk, p:])
-        return out.reshape(g.fold_shape)
-    for chunk, ql_nope, q_pe in fold_chunks(q_b, kv_b, g, device):
-        out[chunk, :lora].copy_(ql_nope if ql_nope.device.type == "cpu" else ql_nope.to(out_dtype))
-        out[chunk, lora:].copy_(q_pe)
-    return out.reshape(g.fold_shape)
+    whole = torch.empty(shape, dtype=out_dtype) if out is None else out.view(shape)
+    for _ in fold_layer_chunks(q_b, kv_b, g, out_dtype, device, whole.__getitem__):
+        pass
+    return whole.reshape(g.fold_shape)
 
 
 def quantize_fp8_rows(exact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,24 +238,39 @@ def dequantize_fp8_rows(values: torch.Tensor, scale: torch.Tensor, dtype: torch.
     return (values.to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(dtype)
 
 
+# Where an fp8 chunk goes: ``take(heads)`` is ``(values [n, L+R, Lq] e4m3, scale [n, L+R] fp32)``.
+Fp8ChunkOutput = Callable[[slice], tuple[torch.Tensor, torch.Tensor]]
+
+
+def fold_layer_fp8_chunks(
+    q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, device: torch.device | str, take: Fp8ChunkOutput
+) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """The fp8 fold of one layer, ``_HEADS_PER_CHUNK`` heads at a time (as :func:`fold_layer_chunks`):
+    quantized from the exact fold (:func:`quantize_fp8_rows`; rows are independent, so the
+    ql_nope and q_pe rows are quantized apart) into ``take(heads)``, yielded with its heads."""
+    lora = g.kv_lora_rank
+    for chunk, ql_nope, q_pe in fold_chunks(q_b, kv_b, g, device):
+        values, scale = take(chunk)
+        for rows, exact in ((slice(None, lora), ql_nope), (slice(lora, None), q_pe.to(ql_nope.device))):
+            chunk_values, chunk_scale = quantize_fp8_rows(exact)
+            values[:, rows].copy_(chunk_values)
+            scale[:, rows].copy_(chunk_scale)
+        yield chunk, values, scale
+
+
 def fold_layer_fp8(
     q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, device: torch.device | str = "cpu",
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The fp8 fold of one layer on the CPU: e4m3 ``[H*(L+R), Lq]`` and its fp32 scale per row
-    ``[H*(L+R)]``, quantized from the exact fold (:func:`quantize_fp8_rows`; rows are independent,
-    so the ql_nope and q_pe rows are quantized apart), written into ``out`` when given."""
+    """The fp8 fold of one layer (:func:`fold_layer_fp8_chunks`), whole: e4m3 ``[H*(L+R), Lq]`` and
+    its fp32 scale per row ``[H*(L+R)]``, written into ``out`` when given."""
     shape = (g.num_heads, g.fold_head_dim, g.q_lora_rank)
     if out is None:
         values, scale = torch.empty(shape, dtype=torch.float8_e4m3fn), torch.empty(shape[:2], dtype=torch.float32)
     else:
         values, scale = out[0].view(shape), out[1].view(shape[:2])
-    lora = g.kv_lora_rank
-    for chunk, ql_nope, q_pe in fold_chunks(q_b, kv_b, g, device):
-        for rows, exact in ((slice(None, lora), ql_nope), (slice(lora, None), q_pe.to(ql_nope.device))):
-            chunk_values, chunk_scale = quantize_fp8_rows(exact)
-            values[chunk, rows].copy_(chunk_values)
-            scale[chunk, rows].copy_(chunk_scale)
+    for _ in fold_layer_fp8_chunks(q_b, kv_b, g, device, lambda heads: (values[heads], scale[heads])):
+        pass
     return values.reshape(g.fold_shape), scale.reshape(g.fold_shape[0])
 
 
@@ -339,40 +378,67 @@ def _fp64_workspace(p: int, lora: int, rows: int, cols: int) -> tuple[torch.Tens
     return _workspaces.buffers
 
 
+class FoldErrorMeter:
+    """How far a stored fold is from the fp64 fold on ``heads``, per row group, measured one head at
+    a time as the heads come (:meth:`add`), so that a fold made and written chunk by chunk is
+    measured without being held whole, and checking every head, as ``verify --deep`` does, needs
+    one head's fp64 working set.
+
+    The head's fp64 fold and its difference to the stored values go into two buffers reused from
+    head to head (this thread's), and the sums and the largest difference are reductions over
+    them: a dozen fresh 7 MB fp64 temporaries per Kimi-K3 head, each a new mapping to fault in,
+    made this check about 0.2 core-s per layer of a conversion (4 heads) and most of ``verify
+    --deep``'s compute."""
+
+    _GROUPS = ("ql_nope", "q_pe")
+
+    def __init__(self, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, heads: tuple[int, ...]) -> None:
+        self.heads = heads
+        self._q_heads, self._kv_heads = _per_head(q_b, kv_b, g)
+        self._rows = {"ql_nope": slice(None, g.kv_lora_rank), "q_pe": slice(g.kv_lora_rank, None)}
+        self._workspace = _fp64_workspace(g.qk_nope_head_dim, g.kv_lora_rank, g.fold_head_dim, g.q_lora_rank)
+        # squared norms of the difference and of the reference, per row group
+        self._sums = {part: [0.0, 0.0] for part in self._GROUPS}
+        self._max_abs = 0.0
+        self._seen: set[int] = set()
+
+    def add(self, head: int, stored: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Measure one of the heads: its stored values ``[L+R, Lq]`` (and fp8 row scales ``[L+R]``)."""
+        q_nope, w_uk, reference, diff = self._workspace
+        _reference_head_into(reference, self._q_heads, self._kv_heads, head, q_nope, w_uk)
+        diff.copy_(stored)
+        if scale is not None:
+            diff.mul_(scale.reshape(-1, 1))
+        diff.sub_(reference)
+        for part, rows in self._rows.items():
+            d, r = diff[rows].reshape(-1), reference[rows].reshape(-1)
+            self._sums[part][0] += float(torch.dot(d, d))
+            self._sums[part][1] += float(torch.dot(r, r))
+        if diff.numel():
+            low, high = torch.aminmax(diff)
+            self._max_abs = max(self._max_abs, float(torch.maximum(-low, high)))
+        self._seen.add(head)
+
+    def result(self) -> FoldError:
+        missing = set(self.heads) - self._seen
+        if missing:
+            raise RuntimeError(f"fold error measured without head(s) {sorted(missing)}")
+        rows = {part: math.sqrt(diff_sq / ref_sq if ref_sq else diff_sq) for part, (diff_sq, ref_sq) in self._sums.items()}
+        return FoldError(self.heads, max(rows.values(), key=nan_last), self._max_abs, rows)
+
+
 def fold_error(
     fold: torch.Tensor, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, heads: tuple[int, ...],
     scale: torch.Tensor | None = None,
 ) -> FoldError:  # fmt: skip
-    """How far the stored fold is from the fp64 fold on ``heads``, per row group, one head at a time
-    (so checking every head, as ``verify --deep`` does, needs one head's fp64 working set).
-
-    The head's fp64 fold and its difference to the stored values go into two buffers reused from
-    head to head, and the sums and the largest difference are reductions over them: a dozen fresh
-    7 MB fp64 temporaries per Kimi-K3 head, each a new mapping to fault in, made this check about
-    0.2 core-s per layer of a conversion (4 heads) and most of ``verify --deep``'s compute."""
-    lora, p = g.kv_lora_rank, g.qk_nope_head_dim
-    q_heads, kv_heads = _per_head(q_b, kv_b, g)
+    """How far the stored fold ``[H*(L+R), Lq]`` (with its fp8 row scales) is from the fp64 fold on
+    ``heads`` (:class:`FoldErrorMeter`)."""
     stored = fold.reshape(g.num_heads, g.fold_head_dim, g.q_lora_rank)
-    scales = None if scale is None else scale.reshape(g.num_heads, g.fold_head_dim, 1)
-    q_nope, w_uk, reference, diff = _fp64_workspace(p, lora, g.fold_head_dim, g.q_lora_rank)
-    groups = {"ql_nope": slice(None, lora), "q_pe": slice(lora, None)}
-    sums = {part: [0.0, 0.0] for part in groups}  # squared norms of the difference and the reference
-    max_abs = 0.0
+    scales = None if scale is None else scale.reshape(g.num_heads, g.fold_head_dim)
+    meter = FoldErrorMeter(q_b, kv_b, g, heads)
     for head in heads:
-        _reference_head_into(reference, q_heads, kv_heads, head, q_nope, w_uk)
-        diff.copy_(stored[head])
-        if scales is not None:
-            diff.mul_(scales[head])
-        diff.sub_(reference)
-        for part, rows in groups.items():
-            d, r = diff[rows].reshape(-1), reference[rows].reshape(-1)
-            sums[part][0] += float(torch.dot(d, d))
-            sums[part][1] += float(torch.dot(r, r))
-        if diff.numel():
-            low, high = torch.aminmax(diff)
-            max_abs = max(max_abs, float(torch.maximum(-low, high)))
-    rows = {part: math.sqrt(diff_sq / ref_sq if ref_sq else diff_sq) for part, (diff_sq, ref_sq) in sums.items()}
-    return FoldError(heads=heads, rel_fro_error=max(rows.values(), key=nan_last), max_abs_error=max_abs, rows=rows)
+        meter.add(head, stored[head], None if scales is None else scales[head])
+    return meter.result()
 
 
 def probe_error(

@@ -10,36 +10,40 @@ block (the leaves of :mod:`foldckpt.hashing`'s per-head tree).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from foldckpt.defaults import SCALED_FOLD_DTYPES, fold_torch_dtype
-from foldckpt.direct_io import aligned_buffer
+from foldckpt.direct_io import BufferPool
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import (
     FP8_MAX,
     ROUNDING_TOLERANCE,
     FoldError,
+    FoldErrorMeter,
     abs_max,
     all_finite,
     dequantize_fp8_blocks,
     dequantize_fp8_rows,
-    fold_error,
-    fold_layer,
-    fold_layer_fp8,
+    fold_layer_chunks,
+    fold_layer_fp8_chunks,
     sample_heads,
     within_one_rounding,
 )
 from foldckpt.geometry import Geometry
 from foldckpt.hashing import head_digests, tensor_digest
 from foldckpt.manifest import FoldTensor, ScaleTensor, SourceTensor
-from foldckpt.plan import FOLD_DTYPES, ConversionPlan, LayerPlan, SourceWeight
-from foldckpt.safetensors_format import TORCH_DTYPES, TensorInfo, read_tensor_bytes, tensor_to_bytes
+from foldckpt.plan import ConversionPlan, LayerPlan, SourceWeight
+from foldckpt.safetensors_format import TORCH_DTYPES, TensorInfo, read_tensor_bytes
 
+# Head chunks of a layer's fold that may be out at once (made and not yet written): FoldRing.
+_FOLD_RING_SLOTS = 8
 
 @dataclass(frozen=True)
 class LayerInputs:
@@ -105,48 +109,53 @@ def _load_weight(
     return tensor, records, largest
 
 
-def nonfinite_fold_problem(
-    fold: torch.Tensor, inputs: LayerInputs, fold_dtype: str, scale: torch.Tensor | None = None
-) -> str | None:
-    """Why a fold with NaN/Inf is wrong, or None when it has none (or its inputs already had some,
-    which ``--allow-nonfinite`` let through): finite inputs whose fold is not finite overflowed
-    the fold dtype (an fp8 fold: its values or its scales)."""
-    if (all_finite(fold) and (scale is None or all_finite(scale))) or not inputs.finite():
-        return None
+def nonfinite_count(fold: torch.Tensor, scale: torch.Tensor | None = None) -> int:
+    """How many of the fold's values are NaN or Inf (an fp8 fold: once scaled by its row scales,
+    ``scale`` shaped as ``fold`` without its last dimension)."""
+    if all_finite(fold) and (scale is None or all_finite(scale)):
+        return 0
     values = fold if scale is None else dequantize_fp8_rows(fold, scale)
     finite = torch.isfinite(values)
-    count = int(finite.numel() - finite.sum())
+    return int(finite.numel() - finite.sum())
+
+
+def nonfinite_fold_problem(count: int, numel: int, inputs: LayerInputs, fold_dtype: str) -> str | None:
+    """Why a fold with ``count`` NaN/Inf values out of ``numel`` is wrong, or None when it has none
+    (or its inputs already had some, which ``--allow-nonfinite`` let through): finite inputs whose
+    fold is not finite overflowed the fold dtype (an fp8 fold: its values or its scales)."""
+    if not count or not inputs.finite():
+        return None
     return (
-        f"{count} of its {fold.numel()} values are Inf or NaN although q_b_proj and kv_b_proj are finite: "
+        f"{count} of its {numel} values are Inf or NaN although q_b_proj and kv_b_proj are finite: "
         f"the fold overflows {fold_dtype}"
     )
 
 
-def check_fold_finite(
-    fold: torch.Tensor, inputs: LayerInputs, layer: LayerPlan, fold_dtype: str, scale: torch.Tensor | None = None
-) -> None:
-    problem = nonfinite_fold_problem(fold, inputs, fold_dtype, scale)
+def check_fold_finite(count: int, inputs: LayerInputs, layer: LayerPlan, fold_dtype: str) -> None:
+    """Refuse a fold with ``count`` NaN/Inf values (:func:`nonfinite_fold_problem`)."""
+    problem = nonfinite_fold_problem(count, math.prod(layer.output.shape), inputs, fold_dtype)
     if problem is not None:
-        raise FoldckptError(
-            f"{plan_layer_label(layer)}: {problem} (largest value {torch.finfo(fold.dtype).max:.6g}); "
-            f"{_wider_fold_dtypes(fold_dtype)}"
-        )
+        largest = torch.finfo(TORCH_DTYPES[layer.output.dtype]).max
+        raise FoldckptError(f"{plan_layer_label(layer)}: {problem} (largest value {largest:.6g}); {_wider_fold_dtypes(fold_dtype)}")
 
 
-def check_fold_scales(scale: torch.Tensor | None, layer: LayerPlan, fold_dtype: str) -> None:
-    """Refuse an fp8 fold with a row scale (``amax / 448``) below float32's normal range: there it
-    loses precision (the rows' values are then more than one rounding off, which ``verify --deep``
-    finds) or becomes 0 (and the row's values NaN, which would read as an overflow)."""
-    if scale is None:
-        return
-    tiny = torch.finfo(torch.float32).tiny
-    small = int((scale < tiny).sum())
+def check_fold_scales(small: int, layer: LayerPlan) -> None:
+    """Refuse an fp8 fold with ``small`` row scales (``amax / 448``) below float32's normal range
+    (:func:`small_scales`): there they lose precision (the rows' values are then more than one
+    rounding off, which ``verify --deep`` finds) or become 0 (and the row's values NaN, which would
+    read as an overflow)."""
     if small:
+        tiny = torch.finfo(torch.float32).tiny
         raise FoldckptError(
             f"{plan_layer_label(layer)}: {small} row scale(s) of the fp8 fold fall below float32's smallest normal "
             f"number {tiny:.2e} (rows whose largest value is below {FP8_MAX * tiny:.2e}), where they lose their "
-            f"precision; {_wider_fold_dtypes(fold_dtype, precision=True)}"
+            f"precision; {_wider_fold_dtypes('fp8', precision=True)}"
         )
+
+
+def small_scales(scale: torch.Tensor) -> int:
+    """How many of an fp8 fold's row scales lie below float32's smallest normal number."""
+    return int((scale < torch.finfo(torch.float32).tiny).sum())
 
 
 def check_fold_accuracy(error: FoldError, inputs: LayerInputs, layer: LayerPlan, fold_dtype: str) -> None:
@@ -194,32 +203,43 @@ def load_layer_inputs(
     return LayerInputs(q_b, kv_b, tuple(q_sources + kv_sources), q_b_abs_max, kv_b_abs_max)
 
 
-class FoldBuffers:
-    """Two sets of fold output tensors, used in turn: the fold of layer i + 1 is written into one
-    while the other still holds layer i on its way to disk. Why: a fresh 170 MB tensor per layer
-    costs its page faults (measured 70 ms to fill one against 11 ms reused). Each tensor is
-    page-aligned, so that the sidecar writer's direct I/O takes its bytes without a staging copy.
-    The caller must have finished with the bytes of a layer before the fold after next (convert
-    waits for each write before it starts the next one)."""
+class FoldRing:
+    """The page-aligned buffers a layer's fold goes into, head chunk by head chunk
+    (:func:`~foldckpt.fold.fold_layer_chunks`), and the sidecar writer writes from: :meth:`take`
+    waits until fewer than ``slots`` are out, the writer gives each back once it is written.
 
-    def __init__(self) -> None:
-        self._sets: list[list[torch.Tensor] | None] = [None, None]
-        self._turn = 0
+    Why: a Kimi-K3 layer's fold is 170 MB in bf16. Held whole, and twice so that one layer was
+    folded while the other was written, it was 340 MB of a conversion's peak RSS, more than torch
+    itself; 8 chunks of 4 heads are 57 MB, and the fold still runs up to 7 chunks ahead of the
+    writer. Buffers are reused by size (:class:`~foldckpt.direct_io.BufferPool`: a fresh one costs
+    its page faults) and page-aligned, so the writer's direct I/O takes their bytes as they are."""
 
-    def take(self, layer: LayerPlan) -> list[torch.Tensor]:
-        turn, self._turn = self._turn, self._turn ^ 1
-        wanted = [(spec.shape, TORCH_DTYPES[spec.dtype]) for spec in layer.outputs]
-        held = self._sets[turn]
-        if held is None or [(tuple(t.shape), t.dtype) for t in held] != wanted:
-            held = self._sets[turn] = [_page_aligned_tensor(shape, dtype) for shape, dtype in wanted]
-        return held
+    def __init__(
+        self, slots: int = _FOLD_RING_SLOTS, waiting: Callable[[], AbstractContextManager[object]] = nullcontext
+    ) -> None:
+        """``waiting``: a context around each wait for a free buffer (convert times them)."""
+        self._free_slots = threading.Semaphore(slots)
+        self._waiting = waiting
+        self._pool = BufferPool()
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[memoryview, torch.Tensor]:
+        """A buffer (once one is free) and a tensor of ``shape`` over it."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not self._free_slots.acquire(blocking=False):
+            with self._waiting():
+                self._free_slots.acquire()
+        buffer = self._pool.get(nbytes)
+        tensor = torch.frombuffer(buffer, dtype=dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+        return buffer, tensor
+
+    def give_back(self, buffer: memoryview) -> None:
+        self._pool.put(buffer)
+        self._free_slots.release()
 
 
-def _page_aligned_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    nbytes = math.prod(shape) * dtype.itemsize
-    if not nbytes:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(aligned_buffer(nbytes), dtype=dtype).view(shape)
+# Where each part of a layer's fold goes once it is made (in sidecar order): a buffer of the
+# ring, which the consumer gives back once it is done with it.
+Emit = Callable[[memoryview], None]
 
 
 def fold_from_source(
@@ -227,44 +247,75 @@ def fold_from_source(
     layer: LayerPlan,
     shard: str,
     pool: Executor,
+    ring: FoldRing,
+    emit: Emit,
     allow_nonfinite: bool = False,
     fetch: Fetch | None = None,
     device: str = "cpu",
-    buffers: FoldBuffers | None = None,
-) -> tuple[list[memoryview], FoldTensor]:
-    """The stored bytes of one layer's fold (the tensors in sidecar order) and its manifest record;
-    the bytes live in ``buffers`` when given (valid until the fold after next)."""
-    geometry = plan.geometry
+) -> FoldTensor:
+    """Fold one layer head chunk by head chunk into ``ring``'s buffers and ``emit`` each chunk's
+    stored bytes once hashed (each fold byte once, head by head: the leaves of
+    :mod:`foldckpt.hashing`'s per-head tree) and measured, then the fp8 row scales if any. Returns
+    the layer's manifest record once every check has passed; a check that fails raises after
+    chunks were emitted, so the caller must count no emitted bytes as the layer's before it has
+    the record (convert journals a layer after it)."""
+    g = plan.geometry
     inputs = load_layer_inputs(plan, layer, allow_nonfinite, fetch)
-    out = buffers.take(layer) if buffers is not None else None
-    scale: torch.Tensor | None = None
+    scan = not inputs.fold_cannot_overflow(g, plan.fold_dtype)
+    meter = FoldErrorMeter(inputs.q_b_proj, inputs.kv_b_proj, g, sample_heads(g.num_heads))
+    dtype = TORCH_DTYPES[layer.output.dtype]
+    taken: dict[int, memoryview] = {}  # buffers out and not yet emitted, by the chunk's first head
+
+    def take(heads: slice) -> torch.Tensor:
+        taken[heads.start], values = ring.take((heads.stop - heads.start, g.fold_head_dim, g.q_lora_rank), dtype)
+        return values
+
+    chunks: Iterator[tuple[slice, torch.Tensor, torch.Tensor | None]]
     if layer.scale_output is not None:
-        fold, scale = fold_layer_fp8(inputs.q_b_proj, inputs.kv_b_proj, geometry, device, None if out is None else (out[0], out[1]))
+        taken[-1], scale = ring.take((g.num_heads, g.fold_head_dim), torch.float32)  # the row scales: -1
+        chunks = fold_layer_fp8_chunks(
+            inputs.q_b_proj, inputs.kv_b_proj, g, device, lambda heads: (take(heads), scale[heads])
+        )
     else:
-        dtype = FOLD_DTYPES[plan.fold_dtype]
-        fold = fold_layer(inputs.q_b_proj, inputs.kv_b_proj, geometry, dtype, device, None if out is None else out[0])
-    check_fold_scales(scale, layer, plan.fold_dtype)
-    if not inputs.fold_cannot_overflow(geometry, plan.fold_dtype):
-        check_fold_finite(fold, inputs, layer, plan.fold_dtype, scale)
-    error = fold_error(fold, inputs.q_b_proj, inputs.kv_b_proj, geometry, sample_heads(geometry.num_heads), scale)
+        chunks = (
+            (heads, values, None)
+            for heads, values in fold_layer_chunks(inputs.q_b_proj, inputs.kv_b_proj, g, dtype, device, take)
+        )
+    leaves: list[str] = []
+    nonfinite = small = 0
+    try:
+        for heads, values, chunk_scale in chunks:
+            if chunk_scale is not None:
+                small += small_scales(chunk_scale)
+            if scan:
+                nonfinite += nonfinite_count(values, chunk_scale)
+            for head in meter.heads:
+                if heads.start <= head < heads.stop:
+                    row = head - heads.start
+                    meter.add(head, values[row], None if chunk_scale is None else chunk_scale[row])
+            leaves += head_digests(taken[heads.start], heads.stop - heads.start, pool)
+            emit(taken.pop(heads.start))  # emit owns it now, also if it raises
+        scale_record = None
+        if layer.scale_output is not None:
+            spec = layer.scale_output
+            scale_record = ScaleTensor(spec.name, spec.dtype, spec.shape, head_digests(taken[-1], g.num_heads, pool))
+            emit(taken.pop(-1))
+    finally:
+        for buffer in taken.values():  # where the fold failed
+            ring.give_back(buffer)
+    check_fold_scales(small, layer)
+    check_fold_finite(nonfinite, inputs, layer, plan.fold_dtype)
+    error = meter.result()
     check_fold_accuracy(error, inputs, layer, plan.fold_dtype)
-    data = [tensor_to_bytes(fold)] + ([] if scale is None else [tensor_to_bytes(scale)])
-    # each fold byte hashed once, head block by head block: any rank of any TP size checks its own
-    leaves = [head_digests(part, geometry.num_heads, pool) for part in data]
-    scale_record = None
-    if layer.scale_output is not None:
-        spec = layer.scale_output
-        scale_record = ScaleTensor(spec.name, spec.dtype, spec.shape, leaves[1])
-    record = FoldTensor(
+    return FoldTensor(
         name=layer.output.name,
         layer_index=layer.layer.index,
         layer_prefix=layer.layer.prefix,
         file=shard,
         dtype=layer.output.dtype,
-        shape=geometry.fold_shape,
-        head_blake3=leaves[0],
+        shape=g.fold_shape,
+        head_blake3=tuple(leaves),
         sources=inputs.sources,
         error=error.to_dict(),
         scale=scale_record,
     )
-    return data, record

@@ -1,7 +1,7 @@
 """Writing a sidecar shard layer by layer, durably, so that a killed run resumes mid-shard.
 
 The shard is built under its temporary name: the header (known from the plan) first, then each
-fold's bytes, fsynced after every layer. The journal records the byte offset reached, so a resumed
+fold's bytes as the fold makes them (head chunk by head chunk), fsynced after every layer. The journal records the byte offset reached, so a resumed
 run truncates the temporary file back to the last durable layer and appends from there. Only a
 complete shard is renamed to its final name. Appends bypass the page cache where the filesystem
 allows (:class:`foldckpt.direct_io.DurableAppender`). The writer hashes the header only: the fold bytes
@@ -77,9 +77,23 @@ class ShardWriter:
     def append(self, data: bytes | memoryview | list[memoryview]) -> int:
         """Append (one buffer or several, in order) and make durable; returns the new durable
         offset (for the journal)."""
-        parts = data if isinstance(data, list) else [memoryview(data)]
+        self.write(data if isinstance(data, list) else [memoryview(data)])
+        return self.sync()
+
+    def write(self, parts: list[memoryview]) -> None:
+        """Append ``parts`` in order, durable at the next :meth:`sync` (a layer's fold is written
+        head chunk by head chunk and made durable once whole); their memory is free again once
+        this returns."""
         try:
-            return self._out.append(parts)
+            self._out.write(parts)
+        except OSError as exc:
+            self.close()
+            raise os_error(self.path, exc, "writing") from None
+
+    def sync(self) -> int:
+        """Make what was written durable; returns the new durable offset (for the journal)."""
+        try:
+            return self._out.sync()
         except OSError as exc:
             self.close()
             raise os_error(self.path, exc, "writing") from None

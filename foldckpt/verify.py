@@ -375,7 +375,7 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
     from foldckpt.fold import (
         ROUNDING_TOLERANCE, fold_error, fold_layer, fold_layer_fp8, probe_error, within_one_rounding,
     )  # fmt: skip
-    from foldckpt.layer import load_layer_inputs, nonfinite_fold_problem
+    from foldckpt.layer import load_layer_inputs, nonfinite_count, nonfinite_fold_problem
     from foldckpt.plan import plan_conversion
     from foldckpt.safetensors_format import TORCH_DTYPES
 
@@ -431,7 +431,7 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
             stored_parts.append(torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype]).reshape(info.shape))
         else:
             stored, scale = stored_parts[0], (stored_parts[1] if len(stored_parts) > 1 else None)
-            nonfinite = nonfinite_fold_problem(stored, inputs, manifest.fold_dtype, scale)
+            nonfinite = nonfinite_fold_problem(nonfinite_count(stored, scale), stored.numel(), inputs, manifest.fold_dtype)
             if nonfinite is not None:
                 problems.append(Problem(record.file, f"'{record.name}': {nonfinite}", record.name))
                 continue

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -261,14 +262,15 @@ def test_verify_deep_fails_on_a_float32_fold_with_one_element_off_by_800_ulps(
     """One element 1e-4 (relative) off moves a float32 fold's relative error by less than its
     1e-6 tolerance; the per-element bound, once kept for bf16/fp16 folds, covers fp32 too."""
     import foldckpt.layer
-    from foldckpt.fold import fold_layer
+    from foldckpt.fold import fold_layer_chunks
 
-    def edited(*args: object, **kwargs: object) -> torch.Tensor:
-        fold = fold_layer(*args, **kwargs)  # type: ignore[arg-type]
-        fold[3, 7] *= 1 + 1e-4
-        return fold
+    def edited(*args: object, **kwargs: object) -> Iterator[tuple[slice, torch.Tensor]]:
+        for heads, values in fold_layer_chunks(*args, **kwargs):  # type: ignore[arg-type]
+            if heads.start == 0:
+                values[0, 3, 7] *= 1 + 1e-4
+            yield heads, values
 
-    monkeypatch.setattr(foldckpt.layer, "fold_layer", edited)
+    monkeypatch.setattr(foldckpt.layer, "fold_layer_chunks", edited)
     out = tmp_path / "out"
     convert(model, out, ConvertOptions(fold_dtype="float32", progress=False))
     run = verify_cli(out, "--deep")
@@ -287,14 +289,15 @@ def test_an_all_zero_layer_converts_and_verifies_deep(tmp_path: Path) -> None:
 def test_verify_deep_fails_on_a_fold_with_inf(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An output made without the convert-time check (an older foldckpt): the deep level catches it."""
     import foldckpt.layer
-    from foldckpt.fold import fold_layer
+    from foldckpt.fold import fold_layer_chunks
 
-    def overflowing(*args: object, **kwargs: object) -> torch.Tensor:
-        fold = fold_layer(*args, **kwargs)  # type: ignore[arg-type]
-        fold[0, 0] = float("inf")
-        return fold
+    def overflowing(*args: object, **kwargs: object) -> Iterator[tuple[slice, torch.Tensor]]:
+        for heads, values in fold_layer_chunks(*args, **kwargs):  # type: ignore[arg-type]
+            if heads.start == 0:
+                values[0, 0, 0] = float("inf")
+            yield heads, values
 
-    monkeypatch.setattr(foldckpt.layer, "fold_layer", overflowing)
+    monkeypatch.setattr(foldckpt.layer, "fold_layer_chunks", overflowing)
     monkeypatch.setattr(foldckpt.layer, "check_fold_finite", lambda *a: None)
     monkeypatch.setattr(foldckpt.layer, "check_fold_accuracy", lambda *a: None)  # its error is Inf too
     out = tmp_path / "out"

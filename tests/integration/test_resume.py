@@ -482,3 +482,47 @@ def test_a_restart_killed_while_clearing_the_old_output_is_finished_by_the_same_
     assert rerun.returncode == 0, rerun.stderr
     assert read_manifest(out).fold_dtype == "float32"
     assert verify(out, VerifyOptions(progress=False)).ok
+
+
+def test_a_layer_refused_after_its_first_chunks_were_written_is_folded_again_by_the_rerun(
+    model: Path, reference: tuple[Path, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer's fold goes to its sidecar head chunk by head chunk and is checked once whole, so a
+    refused layer has bytes in the temporary sidecar past the journaled offset. They must not
+    count as written: the rerun folds that layer again and the output is byte-identical to an
+    uninterrupted run's. The 4th layer (the second of the second sidecar) is spoiled in its last
+    chunk, after its first chunk is on disk."""
+    import foldckpt.layer
+    from foldckpt.fold import fold_layer_chunks
+
+    out = tmp_path / "out"
+    calls = []
+
+    def in_progress_size() -> int:
+        return sum(p.stat().st_size for p in out.glob(f".{SIDECAR_PREFIX}*{TMP_SUFFIX}"))
+
+    def wait_for(condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.001)
+
+    def spoiled(*args: Any, **kwargs: Any) -> Any:
+        calls.append(None)
+        if len(calls) == 4:
+            wait_for(lambda: journaled_layers(out) == 3, "layer 3 was never journaled")  # its bytes are in
+            start = in_progress_size()
+        for heads, values in fold_layer_chunks(*args, **kwargs):
+            if len(calls) == 4 and heads.stop == 8:  # the last chunk of 8 heads
+                wait_for(lambda: in_progress_size() > start, "the spoiled layer's first chunk was never written")
+                values.mul_(1.5)
+            yield heads, values
+
+    monkeypatch.setattr(foldckpt.layer, "fold_layer_chunks", spoiled)
+    with pytest.raises(FoldckptError, match="MLA layer 3 .*relative error vs fp64"):
+        resume_in_process(model, out)
+    assert journaled_layers(out) == 3
+    monkeypatch.undo()
+    result = resume_in_process(model, out)
+    assert result["layers_folded"] == LAYERS - 3
+    assert_identical(out, reference[0])

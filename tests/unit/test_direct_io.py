@@ -308,3 +308,21 @@ def test_buffers_of_a_huge_page_or_more_start_on_one_and_ask_for_huge_pages() ->
     assert address % HUGE_PAGE == 0 and large.nbytes == 3 * HUGE_PAGE + ALIGN
     assert "hg" in _vm_flags(address)
     assert "hg" not in _vm_flags(buffer_address(small))
+
+
+def test_writes_are_durable_only_once_synced_and_keep_their_tails_between_writes(tmp_path: Path) -> None:
+    """A layer's fold is written chunk by chunk and fsynced once whole: ``offset`` (what the journal
+    records) must stay at the last sync while ``end`` follows the writes, and unaligned writes in a
+    row must carry the partial block from one to the next."""
+    path = tmp_path / "out.bin"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDWR)
+    appender = DurableAppender(path, fd, 0)
+    parts = [os.urandom(n) for n in (ALIGN + 7, 3, 2 * ALIGN - 10, DIRECT_CHUNK + 1)]
+    for number, part in enumerate(parts):
+        appender.write([memoryview(part)])
+        assert appender.offset == 0 and appender.end == sum(map(len, parts[: number + 1]))
+    assert appender.sync() == appender.end == path.stat().st_size
+    appender.close()
+    os.close(fd)
+    assert path.read_bytes() == b"".join(parts)
