@@ -26,7 +26,7 @@ DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 SIDECAR_PREFIX = "foldckpt-"
 # A sidecar's header is padded to a multiple of this (the page size, and direct I/O's alignment),
 # so its folds start on page boundaries: a Kimi-K3 fold is a whole number of pages, and convert
-# writes each straight from its page-aligned fold buffer with direct I/O, no staging copy.
+# writes each head chunk straight from its page-aligned ring buffer with direct I/O, no staging copy.
 SIDECAR_HEADER_ALIGN = 4096
 # Tensor-parallel sizes summaries show the per-rank memory of (those that divide H). Any TP size
 # that divides H serves and verifies: that is the one TP rule, :meth:`Geometry.splits_heads`.
