@@ -632,16 +632,17 @@ def _write_shard(
             progress.tensors.clear()
             progress.offset = writer.restart()
     folded: list[str] = []
-    writes = _SidecarWrites(write_pool, ring)
 
     def write(buffer: memoryview) -> None:
         with counters.timed("write"):
             writer.write([buffer])
         counters.add(written=buffer.nbytes)
 
+    writes = _SidecarWrites(write_pool, ring, write)
+
     def emit(buffer: memoryview) -> None:
         counters.add(hashed=buffer.nbytes)  # the head leaves: each fold byte once
-        writes.chunk(write, buffer)
+        writes.chunk(buffer)
 
     def journal_layer(record: FoldTensor, layer_index: int) -> None:
         with counters.timed("write"):
@@ -687,19 +688,21 @@ class _SidecarWrites:
     The first failure skips the rest (their buffers still go back) and is raised in the fold's
     thread at its next hand-over."""
 
-    def __init__(self, pool: Executor, ring: FoldRing) -> None:
+    def __init__(self, pool: Executor, ring: FoldRing, write: Callable[[memoryview], None]) -> None:
+        """``write``: writes one chunk to the shard (in the write thread)."""
         self._pool = pool
         self._ring = ring
+        self._write = write
         self._pending: deque[Future[None]] = deque()
         self._failure: BaseException | None = None
         self._stopped = False
 
-    def chunk(self, write: Callable[[memoryview], None], buffer: memoryview) -> None:
+    def chunk(self, buffer: memoryview) -> None:
         """Write ``buffer`` (a chunk from the ring) after what was handed over before."""
 
         def run() -> None:
             try:
-                self._run(write, buffer)
+                self._run(self._write, buffer)
             finally:
                 self._ring.give_back(buffer)
 

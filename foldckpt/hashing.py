@@ -323,8 +323,8 @@ def hash_job(
     keep the disk busier than plain reads with prefetch: ``verify --level content`` of a 16-layer
     conversion (8.3 GB, cold, 2 cores) took 8.6-9.0 s plain and 3.4-3.5 s direct, alternated.
     Without it, plain reads (:func:`~foldckpt.consistency.heads_intact`: a few head blocks of a
-    sidecar, for the serving loader and convert's resume checks). ``pool`` lends the direct reads their buffers (one pool for a run's reads: no fresh
-    buffer per file)."""
+    sidecar, for the serving loader and convert's resume checks). ``pool`` lends the direct reads
+    their buffers (one pool for a run's reads: no fresh buffer per file)."""
     whole = hashlib.sha256() if job.whole else None
     bounds = sorted(job.ranges)
     digests = {bound: tensor_hasher() for bound in bounds}

@@ -45,6 +45,7 @@ from foldckpt.safetensors_format import TORCH_DTYPES, TensorInfo, read_tensor_by
 # Head chunks of a layer's fold that may be out at once (made and not yet written): FoldRing.
 _FOLD_RING_SLOTS = 8
 
+
 @dataclass(frozen=True)
 class LayerInputs:
     q_b_proj: torch.Tensor
@@ -136,7 +137,9 @@ def check_fold_finite(count: int, inputs: LayerInputs, layer: LayerPlan, fold_dt
     problem = nonfinite_fold_problem(count, math.prod(layer.output.shape), inputs, fold_dtype)
     if problem is not None:
         largest = torch.finfo(TORCH_DTYPES[layer.output.dtype]).max
-        raise FoldckptError(f"{plan_layer_label(layer)}: {problem} (largest value {largest:.6g}); {_wider_fold_dtypes(fold_dtype)}")
+        raise FoldckptError(
+            f"{plan_layer_label(layer)}: {problem} (largest value {largest:.6g}); {_wider_fold_dtypes(fold_dtype)}"
+        )
 
 
 def check_fold_scales(small: int, layer: LayerPlan) -> None:
