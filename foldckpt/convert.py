@@ -506,10 +506,11 @@ def _fold_order(plan: ConversionPlan, journal: Journal) -> list[LayerPlan]:
 
 def _source_reads(
     plan: ConversionPlan, out_dir: Path, journal: Journal, todo: list[LayerPlan], counters: IOCounters, bar: Any,
-    priority: DiskPriority,
+    priority: DiskPriority, device: str,
 ) -> SourceReads:  # fmt: skip
     """The hashing passes of this run: every placed file not hashed yet, those feeding the first
-    layers to fold first (then the largest), so that the fold waits as little as possible."""
+    layers to fold first (then the largest), so that the fold waits as little as possible; a fold
+    on ``device`` other than the CPU releases its inputs itself, once they are there."""
     inputs = {(file, info.name): info for layer in plan.layers for file, info in layer.input_tensors()}
     wanted = {(file, info.name): position for position, layer in enumerate(todo) for file, info in layer.input_tensors()}
     recorded = {
@@ -532,7 +533,7 @@ def _source_reads(
 
     return SourceReads(
         out_dir, {n: sizes[n] for n in order}, inputs, wanted, recorded, on_hashed, bar.update, counters,
-        priority=priority,
+        priority=priority, fold_releases=device != "cpu",
     )  # fmt: skip
 
 
@@ -558,7 +559,7 @@ def _hash_and_fold(
     ):
         # the sidecar appends go before the passes over files that feed no layer (DiskPriority)
         priority = DiskPriority()
-        reads = _source_reads(plan, out_dir, journal, todo, counters, hash_bar, priority)
+        reads = _source_reads(plan, out_dir, journal, todo, counters, hash_bar, priority, device)
         reads.start(feeding_pool, other_pool)
         try:
             with _collector_paused():
@@ -572,7 +573,7 @@ def _hash_and_fold(
                         fold_bar.update(len(shard.layers))
                         continue
                     folded += _write_shard(
-                        plan, shard, out_dir, journal, options, (reads.take, device, ring), counters, leaf_pool,
+                        plan, shard, out_dir, journal, options, (reads.take, reads.release, device, ring), counters, leaf_pool,
                         write_pool, fold_bar, priority,
                     )  # fmt: skip
                 reads.wait()
@@ -607,7 +608,7 @@ def _write_shard(
     out_dir: Path,
     journal: Journal,
     options: ConvertOptions,
-    source: tuple[Fetch, str, FoldRing],
+    source: tuple[Fetch, Callable[[], None], str, FoldRing],
     counters: IOCounters,
     leaf_pool: Executor,
     write_pool: Executor,
@@ -619,7 +620,7 @@ def _write_shard(
     journaled once whole and checked, while the next layer is folded."""
     from foldckpt.layer import fold_from_source  # torch: only once there is something to fold
 
-    fetch, device, ring = source
+    fetch, release, device, ring = source
     progress = journal.shard(shard.name)
     writer = ShardWriter(out_dir / shard.name, shard.specs, SIDECAR_METADATA, progress.offset, priority)
     if progress.offset == 0:
@@ -661,7 +662,7 @@ def _write_shard(
                 continue
             with counters.timed("fold"):
                 record = fold_from_source(
-                    plan, layer, shard.name, leaf_pool, ring, emit, options.allow_nonfinite, fetch, device
+                    plan, layer, shard.name, leaf_pool, ring, emit, options.allow_nonfinite, fetch, device, release
                 )
             writes.then(journal_layer, record, layer.layer.index)
             folded.append(record.name)

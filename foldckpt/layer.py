@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -54,6 +54,12 @@ class LayerInputs:
     # The largest |value| of each (NaN when it holds a NaN), measured once as it is loaded.
     q_b_abs_max: float
     kv_b_abs_max: float
+
+    def to(self, device: str) -> LayerInputs:
+        """The same inputs on ``device`` (one copy each; on the CPU, these)."""
+        if torch.device(device).type == "cpu":
+            return self
+        return replace(self, q_b_proj=self.q_b_proj.to(device), kv_b_proj=self.kv_b_proj.to(device))
 
     def finite(self) -> bool:
         """Whether both inputs are free of NaN and Inf (only ``--allow-nonfinite`` lets them not be)."""
@@ -255,15 +261,19 @@ def fold_from_source(
     allow_nonfinite: bool = False,
     fetch: Fetch | None = None,
     device: str = "cpu",
+    release: Callable[[], None] | None = None,
 ) -> FoldTensor:
     """Fold one layer head chunk by head chunk into ``ring``'s buffers and ``emit`` each chunk's
     stored bytes once hashed (each fold byte once, head by head: the leaves of
     :mod:`foldckpt.hashing`'s per-head tree) and measured, then the fp8 row scales if any. Returns
     the layer's manifest record once every check has passed; a check that fails raises after
     chunks were emitted, so the caller must count no emitted bytes as the layer's before it has
-    the record (convert journals a layer after it)."""
+    the record (convert journals a layer after it). A GPU fold copies the inputs to the GPU first
+    and calls ``release`` then: it reads the bytes ``fetch`` handed over no more."""
     g = plan.geometry
-    inputs = load_layer_inputs(plan, layer, allow_nonfinite, fetch)
+    inputs = load_layer_inputs(plan, layer, allow_nonfinite, fetch).to(device)
+    if release is not None and torch.device(device).type != "cpu":
+        release()
     scan = not inputs.fold_cannot_overflow(g, plan.fold_dtype)
     meter = FoldErrorMeter(inputs.q_b_proj, inputs.kv_b_proj, g, sample_heads(g.num_heads))
     dtype = TORCH_DTYPES[layer.output.dtype]

@@ -9,8 +9,9 @@ source byte is read twice and the fold of a layer starts as soon as the pass has
 inputs, long before the file's end.
 
 Memory stays a few layers' inputs whatever the layout, in buffers reused from layer to layer
-(:class:`~foldckpt.direct_io.BufferPool`; the fold is done with a layer's inputs once it takes the
-next layer's): a pass over a file that feeds the fold starts only once the fold is within
+(:class:`~foldckpt.direct_io.BufferPool`; a CPU fold is done with a layer's inputs once it takes the
+next layer's, a GPU fold once it has copied them to the GPU): a pass over a file that feeds the
+fold starts only once the fold is within
 ``LOOKAHEAD_LAYERS`` of the first layer it feeds (it waits before it has copied anything, and files
 are started in the order of the layers they feed, so the file the fold needs next is never queued
 behind a waiting one); files that feed no layer are hashed meanwhile by threads of their own,
@@ -118,7 +119,9 @@ class SourceReads:
     them (copied when the budget allows; default budget: ``LOOKAHEAD_LAYERS + 2`` layers' inputs, room for
     the layer being folded, the ones ahead and a file that interleaves layers);
     ``recorded``: (file, tensor) -> digest an earlier run's fold recorded (checked); ``priority``:
-    the run's, whose foreground transfers the passes over files that feed no layer wait for.
+    the run's, whose foreground transfers the passes over files that feed no layer wait for;
+    ``fold_releases``: the fold calls :meth:`release` once it is done with a layer's inputs (a GPU
+    fold: once it has them on the GPU), instead of taking the next layer's first input saying so.
     ``on_hashed(name, record)`` runs in the pass's thread when a file's digest is known.
     """
 
@@ -134,9 +137,11 @@ class SourceReads:
         counters: IOCounters,
         budget: int | None = None,
         priority: DiskPriority | None = None,
+        fold_releases: bool = False,
     ) -> None:
         self.out_dir = out_dir
         self.priority = priority
+        self.fold_releases = fold_releases
         self.files = files
         self.inputs = inputs
         self.wanted = wanted
@@ -154,7 +159,8 @@ class SourceReads:
         self._held = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._position = 0  # the layer the fold is at (fold order)
+        self._position = 0  # the layer the fold is at (fold order), as the passes see it
+        self._taking = 0  # the layer whose inputs the fold takes
         self._moved = threading.Condition()
         self._slots = {key: _Slot() for key in inputs if key[0] in files and key in wanted}
         # The passes' read buffers and the copied inputs; the inputs handed over for the fold's layer.
@@ -185,16 +191,14 @@ class SourceReads:
         """The bytes of one fold input and their tensor digest: handed over by the pass over ``file`` (once
         it went past them), or read here when that pass did not copy them or ``file`` is not hashed
         in this run. The fold takes its layers in order, one at a time: taking a layer's first input
-        tells that the fold is done with the inputs of the layers before it, whose buffers go back
-        to the pool then (so the bytes handed over stay valid until the next layer's first take)."""
+        tells that the fold is done with the inputs of the layers before it (:meth:`release`),
+        unless the fold releases them itself (``fold_releases``). The bytes handed over stay valid
+        until they are released."""
         position = self.wanted.get((file, info.name))
-        if position is not None and position > self._position:
-            with self._moved:
-                self._position = position
-                self._moved.notify_all()
-            for buffer in self._lent:
-                self.pool.put(buffer)
-            self._lent.clear()
+        if position is not None and position > self._taking:
+            self._taking = position
+            if not self.fold_releases:
+                self.release()
         slot = self._slots.get((file, info.name))
         if slot is not None:
             with self.counters.timed("fold_waiting_for_inputs"):
@@ -210,6 +214,21 @@ class SourceReads:
         data = read_tensor_bytes(self.out_dir / file, info)
         self.counters.add(read=len(data), hashed=len(data), reread=len(data) if slot is not None else 0)
         return data, tensor_digest(data)
+
+    def release(self) -> None:
+        """The fold is done with the inputs it has taken: their buffers go back to the pool, and the
+        passes over the files that feed the layers after it (within ``LOOKAHEAD_LAYERS``) may start.
+
+        Why a GPU fold calls this itself, as soon as its inputs are on the GPU: then the passes that
+        this lets start reuse those buffers. When taking the next layer released them, those passes
+        had started before and made new ones, so that a conversion held one layer's inputs more
+        than a GPU fold needs (82 MB for Kimi-K3)."""
+        for buffer in self._lent:
+            self.pool.put(buffer)
+        self._lent.clear()
+        with self._moved:
+            self._position = self._taking
+            self._moved.notify_all()
 
     # -- the passes ------------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ def _inputs(plan: ConversionPlan) -> dict[tuple[str, str], TensorInfo]:
 
 
 def _reads(plan: ConversionPlan, budget: int, recorded: dict[tuple[str, str], str] | None = None,
-           files: dict[str, int] | None = None, priority: DiskPriority | None = None,
+           files: dict[str, int] | None = None, priority: DiskPriority | None = None, fold_releases: bool = False,
            ) -> tuple[SourceReads, dict[str, FileRecord], IOCounters]:  # fmt: skip
     model = plan.source.model_dir
     files = files or {name: (model / name).stat().st_size for name in plan.files_to_place}
@@ -47,7 +47,7 @@ def _reads(plan: ConversionPlan, budget: int, recorded: dict[tuple[str, str], st
     inputs = _inputs(plan)
     wanted = {(file, info.name): position for position, layer in enumerate(plan.layers) for file, info in layer.input_tensors()}
     reads = SourceReads(model, files, inputs, wanted, recorded or {}, hashed.__setitem__, lambda n: None, counters, budget,
-                        priority)  # fmt: skip
+                        priority, fold_releases)  # fmt: skip
     return reads, hashed, counters
 
 
@@ -133,6 +133,50 @@ def test_a_pass_starts_only_within_the_lookahead_of_the_fold_and_stop_releases_t
         reads.stop()
         reads.wait()  # returns: the waiting passes give up without hashing
     assert not set(hashed) & far
+
+
+def _settled(reads: SourceReads, hashed: dict[str, FileRecord], layer: int) -> None:
+    """Wait until every pass that may run with the fold at ``layer`` has ended."""
+    due = {name for name, first in reads.first_use.items() if first <= layer + LOOKAHEAD_LAYERS}
+    deadline = time.monotonic() + 30
+    while not due <= set(hashed) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert due <= set(hashed)
+
+
+@pytest.mark.parametrize("fold_releases", [False, True], ids=["cpu-fold", "gpu-fold"])
+def test_a_fold_that_releases_its_inputs_itself_lets_the_next_passes_reuse_their_buffers(
+    long_plan: ConversionPlan, fold_releases: bool
+) -> None:
+    """A GPU fold is done with a layer's inputs once they are on the GPU (``release``): only then
+    may the passes for the layers after start, into those buffers, so that the fold holds none of
+    the buffers out at the peak. Until it releases them, its buffers stay its own and those passes
+    wait, also when it takes the next layer's inputs."""
+    reads, hashed, _ = _reads(long_plan, 1 << 30, fold_releases=fold_releases)
+    model = long_plan.source.model_dir
+    sizes = {info.nbytes for info in _inputs(long_plan).values()}
+    with ThreadPoolExecutor(len(reads.files)) as pool:
+        reads.start(pool, pool)
+        try:
+            for position, layer in enumerate(long_plan.layers):
+                before = max(position - 1, 0)  # where the fold is, as the passes see it, until it takes the layer
+                _settled(reads, hashed, before)
+                taken = [reads.take(file, info)[0] for file, info in layer.input_tensors()]
+                assert [bytes(d) for d in taken] == [bytes(read_tensor_bytes(model / f, i)) for f, i in layer.input_tensors()]
+                if fold_releases:
+                    time.sleep(0.05)
+                    waiting = {name for name, first in reads.first_use.items() if first > before + LOOKAHEAD_LAYERS}
+                    assert not waiting & set(hashed)
+                    reads.release()
+            reads.release()
+            reads.wait()
+        finally:
+            reads.stop()
+    assert set(hashed) == set(reads.files) and reads.counters.reread == 0
+    made = sum(len(buffers) for nbytes, buffers in reads.pool._free.items() if nbytes in sizes)
+    # The most ever out: the last file holds two layers (27 and the MTP layer 28), read while the
+    # fold is at the layer before them, whose inputs a CPU fold holds and a GPU fold has released.
+    assert made == (4 if fold_releases else 6)
 
 
 def test_an_input_changed_since_an_earlier_run_folded_it_is_refused_naming_file_and_tensor(plan: ConversionPlan) -> None:
