@@ -288,43 +288,57 @@ def main(mla_counts: tuple[int, ...], filler_per_layer: int, device: str, fold_d
     if workdir is not None:
         workdir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="foldckpt-bench-", dir=workdir))
-    records = []
+    records: list[dict[str, Any]] = []
     try:
-        for count in mla_counts:
-            # Kimi-K3 layout: MLA every 4th layer; the last main layer is MLA too, plus one MTP layer.
-            model_dir = make_checkpoint(scratch / f"k3-{count}", "kimi_k3", layers=4 * (count - 1),
-                                        mtp_layers=1, shards=count, full_geometry=True)  # fmt: skip
-            _add_filler_shards(model_dir, filler_per_layer * count)
-            sources = [p for p in model_dir.iterdir() if p.is_file()]
-            source_bytes = sum(p.stat().st_size for p in sources)
-            out_dir = scratch / f"k3-{count}-out"
-            runs, floors = [], []
-            for _ in range(repeat):  # alternated, so that both see the same machine; the best of each
-                cold = _evict(sources)
-                _settle()
-                runs.append({**_convert_in_child(model_dir, out_dir, device, fold_dtype), "cold": cold})
-                shutil.rmtree(out_dir)
-                floors.append(_io_floor(sources, runs[-1]["bytes_written"], scratch))
-            result = dict(min(runs, key=lambda run: run["wall_s"]))
-            result["torch_start_s"] = _torch_start_s(device)
-            written = result["bytes_written"]
-            result.update(min(floors, key=lambda floor: floor["io_floor_s"]), source_bytes=source_bytes)
-            result["all_wall_s"] = [run["wall_s"] for run in runs]
-            result["all_io_floor_s"] = [floor["io_floor_s"] for floor in floors]
-            result["wall_over_floor"] = result["wall_s"] / result["io_floor_s"]
-            # each conversion against the floor measured right after it: on a VM whose speed drifts
-            # over minutes, neighbours saw the same machine
-            result["paired_wall_over_floor"] = [run["wall_s"] / floor["io_floor_s"] for run, floor in zip(runs, floors)]
-            records.append(result)
-            click.echo(f"{result['layers']:>3} MLA layers  {source_bytes / 1e9:6.2f} GB read  "
-                       f"{written / 1e9:5.2f} GB written  wall {result['wall_s']:6.1f} s  floor "
-                       f"{result['io_floor_s']:6.1f} s ({result['wall_over_floor']:.2f}x)  peak RSS "
-                       f"{result['peak_rss_bytes'] / 2**20:6.0f} MiB  copied {result['bytes_copied']} B")  # fmt: skip
-            shutil.rmtree(model_dir)
         _write_file(scratch / "rate.bin", 1 << 30, direct=False)
         copy_rate = _cached_read_rate(scratch / "rate.bin")
+        (scratch / "rate.bin").unlink()
+        rates = _hash_rates()
+        for count in mla_counts:
+            records.append(_measure(scratch, count, filler_per_layer, device, fold_dtype, repeat))
+            # after each count, so that a run cut short (a device's time limit) keeps what it measured
+            _write_report(out, records, device, fold_dtype, filler_per_layer, rates, copy_rate)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    click.echo(f"wrote {out}")
+
+
+def _measure(scratch: Path, count: int, filler_per_layer: int, device: str, fold_dtype: str, repeat: int) -> dict[str, Any]:
+    """Convert a ``count``-layer checkpoint and measure the floor on its files, alternated."""
+    # Kimi-K3 layout: MLA every 4th layer; the last main layer is MLA too, plus one MTP layer.
+    model_dir = make_checkpoint(scratch / f"k3-{count}", "kimi_k3", layers=4 * (count - 1),
+                                mtp_layers=1, shards=count, full_geometry=True)  # fmt: skip
+    _add_filler_shards(model_dir, filler_per_layer * count)
+    sources = [p for p in model_dir.iterdir() if p.is_file()]
+    source_bytes = sum(p.stat().st_size for p in sources)
+    out_dir = scratch / f"k3-{count}-out"
+    runs, floors = [], []
+    for _ in range(repeat):  # alternated, so that both see the same machine; the best of each
+        cold = _evict(sources)
+        _settle()
+        runs.append({**_convert_in_child(model_dir, out_dir, device, fold_dtype), "cold": cold})
+        shutil.rmtree(out_dir)
+        floors.append(_io_floor(sources, runs[-1]["bytes_written"], scratch))
+    result = dict(min(runs, key=lambda run: run["wall_s"]))
+    result["torch_start_s"] = _torch_start_s(device)
+    written = result["bytes_written"]
+    result.update(min(floors, key=lambda floor: floor["io_floor_s"]), source_bytes=source_bytes)
+    result["all_wall_s"] = [run["wall_s"] for run in runs]
+    result["all_io_floor_s"] = [floor["io_floor_s"] for floor in floors]
+    result["wall_over_floor"] = result["wall_s"] / result["io_floor_s"]
+    # each conversion against the floor measured right after it: on a VM whose speed drifts
+    # over minutes, neighbours saw the same machine
+    result["paired_wall_over_floor"] = [run["wall_s"] / floor["io_floor_s"] for run, floor in zip(runs, floors)]
+    click.echo(f"{result['layers']:>3} MLA layers  {source_bytes / 1e9:6.2f} GB read  "
+               f"{written / 1e9:5.2f} GB written  wall {result['wall_s']:6.1f} s  floor "
+               f"{result['io_floor_s']:6.1f} s ({result['wall_over_floor']:.2f}x)  peak RSS "
+               f"{result['peak_rss_bytes'] / 2**20:6.0f} MiB  copied {result['bytes_copied']} B")  # fmt: skip
+    shutil.rmtree(model_dir)
+    return result
+
+
+def _write_report(out: Path, records: list[dict[str, Any]], device: str, fold_dtype: str, filler_per_layer: int,
+                  rates: dict[str, float], copy_rate: float) -> None:  # fmt: skip
     peaks = [r["peak_rss_bytes"] for r in records]
     report = {
         "benchmark": "convert",
@@ -335,13 +349,12 @@ def main(mla_counts: tuple[int, ...], filler_per_layer: int, device: str, fold_d
         "geometry": "Kimi-K3: H=96 Lq=1536 L=512 P=128 R=64 V=128, hidden 7168; one shard per MLA layer + 1 GB filler (expert) shards",
         "filler_bytes_per_mla_layer": filler_per_layer,
         "records": records,
-        "peak_rss_growth_first_to_last": peaks[-1] / peaks[0] - 1 if peaks else None,
+        "peak_rss_growth_first_to_last": peaks[-1] / peaks[0] - 1,
         "targets": {"wall_over_floor_at_16": 1.25, "peak_rss_bytes": 2**30, "peak_rss_growth": 0.10, "bytes_copied": 0},
-        "projection_full_kimi_k3": _projection(records, _hash_rates(), copy_rate) if records else None,
+        "projection_full_kimi_k3": _projection(records, rates, copy_rate),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    click.echo(f"wrote {out}")
 
 
 if __name__ == "__main__":
