@@ -159,7 +159,9 @@ class SourceReads:
         self._held = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._position = 0  # the layer the fold is at (fold order), as the passes see it
+        # The layer the fold is at (fold order), as the passes see it: a CPU fold is at its first
+        # layer from the start; a fold that releases its inputs is past a layer once it did so.
+        self._position = -1 if fold_releases else 0
         self._taking = 0  # the layer whose inputs the fold takes
         self._moved = threading.Condition()
         self._slots = {key: _Slot() for key in inputs if key[0] in files and key in wanted}
@@ -221,8 +223,10 @@ class SourceReads:
 
         Why a GPU fold calls this itself, as soon as its inputs are on the GPU: then the passes that
         this lets start reuse those buffers. When taking the next layer released them, those passes
-        had started before and made new ones, so that a conversion held one layer's inputs more
-        than a GPU fold needs (82 MB for Kimi-K3)."""
+        had started before and made new ones, and before its first layer the passes read two
+        layers ahead, not one: a GPU conversion held two layers' inputs more than it needs (about
+        110 MB of Kimi-K3's, whose shards each hold one layer's kv_b_proj and the next one's
+        q_b_proj)."""
         for buffer in self._lent:
             self.pool.put(buffer)
         self._lent.clear()
