@@ -573,8 +573,8 @@ def _hash_and_fold(
                         fold_bar.update(len(shard.layers))
                         continue
                     folded += _write_shard(
-                        plan, shard, out_dir, journal, options, (reads.take, reads.release, device, ring), counters, leaf_pool,
-                        write_pool, fold_bar, priority,
+                        plan, shard, out_dir, journal, options, (reads.take, reads.release, device, ring), counters,
+                        leaf_pool, write_pool, fold_bar, priority,
                     )  # fmt: skip
                 reads.wait()
         except BaseException:

@@ -9,13 +9,13 @@ source byte is read twice and the fold of a layer starts as soon as the pass has
 inputs, long before the file's end.
 
 Memory stays a few layers' inputs whatever the layout, in buffers reused from layer to layer
-(:class:`~foldckpt.direct_io.BufferPool`; a CPU fold is done with a layer's inputs once it takes the
-next layer's, a GPU fold once it has copied them to the GPU): a pass over a file that feeds the
-fold starts only once the fold is within
-``LOOKAHEAD_LAYERS`` of the first layer it feeds (it waits before it has copied anything, and files
-are started in the order of the layers they feed, so the file the fold needs next is never queued
-behind a waiting one); files that feed no layer are hashed meanwhile by threads of their own,
-at a lower priority (the fold waits for no byte of them).
+(:class:`~foldckpt.direct_io.BufferPool`; a CPU fold is done with a layer's inputs once it takes
+the next layer's, a GPU fold once it has copied them to the GPU): a pass over a file that feeds
+the fold starts only once the fold is within ``LOOKAHEAD_LAYERS`` of the first layer it feeds (it
+waits before it has copied anything, and files are started in the order of the layers they feed,
+so the file the fold needs next is never queued behind a waiting one); files that feed no layer
+are hashed meanwhile by threads of their own, at a lower priority (the fold waits for no byte of
+them).
 Copies are also bounded by a byte budget, and a pass never waits for the fold once it has started:
 where a copy would exceed the budget it is not made, and the fold reads that tensor itself
 (``IOCounters.reread`` counts it).
