@@ -2,23 +2,25 @@
 
 Which bugs these catch: chunks emitted out of sidecar order or with other bytes than the whole
 fold's, head digests or error statistics that differ from those of the whole fold, the fp8 row
-scales emitted before their values, a ring that hands out more buffers than it has slots, and
-buffers never given back when a check refuses the layer (the next layer would wait forever).
+scales emitted before their values, a ring that hands out more buffers than it has slots,
+buffers never given back when a check refuses the layer (the next layer would wait forever), and
+a fold that releases the fetched bytes while it still reads them (a pass would refill them).
 """
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import fold_error, fold_layer, fold_layer_fp8, sample_heads
 from foldckpt.hashing import head_digests
-from foldckpt.layer import FoldRing, fold_from_source, load_layer_inputs
+from foldckpt.layer import FoldRing, fold_from_source, load_layer_inputs, reader
 from foldckpt.plan import ConversionPlan, plan_conversion
-from foldckpt.safetensors_format import tensor_to_bytes
+from foldckpt.safetensors_format import TensorInfo, tensor_to_bytes
 from foldckpt.synthetic import make_checkpoint
 
 
@@ -65,6 +67,42 @@ def test_a_streamed_fp8_fold_emits_its_values_then_its_row_scales(plan: Conversi
     assert b"".join(emitted[:-1]) == bytes(tensor_to_bytes(values))
     assert emitted[-1] == bytes(tensor_to_bytes(scale))
     assert record.scale.head_blake3 == head_digests(tensor_to_bytes(scale), g.num_heads)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_fold_releases_the_fetched_bytes_only_once_it_reads_them_no_more(plan: ConversionPlan, device: str) -> None:
+    """``release`` lets the passes refill the buffers the fold's inputs came in (here: with NaN
+    bytes). A GPU fold calls it once, when the inputs are on the GPU, before its first chunk; a CPU
+    fold reads them until its last chunk and never does. Either way the fold is that of the
+    original bytes."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    fetched: list[bytearray] = []
+    emitted: list[bytes] = []
+    released_after: list[int] = []  # chunks emitted when release came
+    ring = FoldRing(slots=2)
+
+    def fetch(file: str, info: TensorInfo) -> tuple[bytearray, str]:
+        data, digest = reader(plan.source.model_dir)(file, info)
+        fetched.append(data)
+        return data, digest
+
+    def release() -> None:
+        released_after.append(len(emitted))
+        for data in fetched:
+            data[:] = b"\xff" * len(data)
+
+    def emit(buffer: memoryview) -> None:
+        emitted.append(bytes(buffer))
+        ring.give_back(buffer)
+
+    with ThreadPoolExecutor(4) as pool:
+        record = fold_from_source(plan, plan.layers[1], "sidecar", pool, ring, emit, False, fetch, device, release)
+    inputs = load_layer_inputs(plan, plan.layers[1])
+    whole = fold_layer(inputs.q_b_proj, inputs.kv_b_proj, plan.geometry, torch.bfloat16, device)
+    assert released_after == ([0] if device == "cuda" else [])
+    assert b"".join(emitted) == bytes(tensor_to_bytes(whole))
+    assert record.sources == inputs.sources
 
 
 def test_the_ring_hands_out_no_more_buffers_than_its_slots_until_one_comes_back() -> None:
