@@ -3,8 +3,9 @@
 The shard is built under its temporary name: the header (known from the plan) first, then each
 fold's bytes as the fold makes them (head chunk by head chunk), fsynced after every layer. The
 journal records the byte offset reached, so a resumed run truncates the temporary file back to the
-last durable layer and appends from there. Only a complete shard is renamed to its final name. Appends bypass the page cache where the filesystem
-allows (:class:`foldckpt.direct_io.DurableAppender`). The writer hashes the header only: the fold bytes
+last durable layer and appends from there. Only a complete shard is renamed to its final name.
+Writes bypass the page cache where the filesystem allows
+(:class:`foldckpt.direct_io.DurableAppender`). The writer hashes the header only: the fold bytes
 are hashed once, head by head, where they are made (:func:`foldckpt.hashing.head_digests`), and
 those digests with the header's cover the whole file (manifest format 3).
 """
