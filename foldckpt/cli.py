@@ -41,16 +41,16 @@ from foldckpt.errors import (
     Interrupted,
 )
 from foldckpt import signals
-from foldckpt.files import LINK_MODES, json_safe
-from foldckpt.geometry import describe_layers
+from foldckpt.io.files import LINK_MODES, json_safe
+from foldckpt.model.geometry import describe_layers
 from foldckpt.defaults import DEFAULT_FOLD_DEVICE, DEFAULT_FOLD_DTYPE, DEFAULT_MAX_SHARD_SIZE, FOLD_DEVICES, FOLD_DTYPE_NAMES
 from foldckpt.progress import human_bytes
 
 if TYPE_CHECKING:
     from foldckpt.convert import ConvertResult
-    from foldckpt.hub import ModelSource
+    from foldckpt.model.hub import ModelSource
     from foldckpt.inspect import Inspection
-    from foldckpt.plan import ConversionPlan
+    from foldckpt.convert.plan import ConversionPlan
     from foldckpt.verify import VerifyReport
 
 __all__ = ["cli", "human_bytes", "main"]
@@ -121,7 +121,7 @@ revision_option = click.option(
 
 
 def _resolve(model: str, revision: str | None) -> ModelSource:
-    from foldckpt.hub import resolve_model
+    from foldckpt.model.hub import resolve_model
 
     return resolve_model(model, revision)
 
@@ -227,7 +227,7 @@ def convert_command(model_dir: str, out_dir: Path, revision: str | None, fold_dt
     global _resumable
     source = _resolve(model_dir, revision)
     if dry_run:
-        from foldckpt.plan import plan_conversion
+        from foldckpt.convert.plan import plan_conversion
 
         plan = plan_conversion(source.path, fold_dtype, max_shard_size, tp_sizes)
         if as_json:

@@ -1,7 +1,7 @@
 """Every default and rule that more than one module needs, written once (no torch, no vLLM).
 
 Convert, verify, inspect and the serving loader all read these; the conversion planner
-(:mod:`foldckpt.plan`) re-exports the ones it uses, so that the vLLM plugin never imports it.
+(:mod:`foldckpt.convert.plan`) re-exports the ones it uses, so that the vLLM plugin never imports it.
 """
 
 from __future__ import annotations

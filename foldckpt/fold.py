@@ -23,8 +23,8 @@ import torch
 
 from foldckpt.defaults import nan_last
 from foldckpt.errors import FoldckptError
-from foldckpt.files import json_safe
-from foldckpt.geometry import Geometry
+from foldckpt.io.files import json_safe
+from foldckpt.model.geometry import Geometry
 
 # OCP float8_e4m3fn's largest finite value.
 FP8_MAX = 448.0

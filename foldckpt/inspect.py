@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from foldckpt.checkpoint import open_source_checkpoint
+from foldckpt.model.checkpoint import open_source_checkpoint
 from foldckpt.errors import FoldckptError
-from foldckpt.geometry import Geometry, read_geometry
-from foldckpt.hub import ModelSource
-from foldckpt.manifest import MANIFEST_NAME, read_manifest
+from foldckpt.model.geometry import Geometry, read_geometry
+from foldckpt.model.hub import ModelSource
+from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
 
 
 @dataclass(frozen=True)

@@ -2,12 +2,12 @@
 
 The manifest is the root of trust: before anything else it must prove itself unedited (its own
 digest over a canonical encoding of its content, its exact bytes, and, with
-``expect_manifest_sha256``, the pinned sha256 of the file; see :mod:`foldckpt.manifest`). The report
+``expect_manifest_sha256``, the pinned sha256 of the file; see :mod:`foldckpt.format.manifest`). The report
 carries the sha256 of ``foldckpt.json`` (what users pin). Then the levels, cheapest first; each
 includes the ones before it, and a failing level stops the run (its problems name the file,
 relative to OUT_DIR, and the tensor where there is one):
 
-1. ``manifest``: the manifest is unedited and self-consistent (:func:`foldckpt.consistency.manifest_problems`);
+1. ``manifest``: the manifest is unedited and self-consistent (:func:`foldckpt.format.consistency.manifest_problems`);
    every file it lists exists with its recorded size; no stray sidecar or safetensors file.
 2. ``structure``: no tensor data read. Every safetensors header parses and tiles its file exactly;
    the sidecar headers hold exactly the manifest's tensors; the index and the source shards'
@@ -24,7 +24,7 @@ relative to OUT_DIR, and the tensor where there is one):
    against the unfolded two-step query on random x. At most one layer's tensors are in memory.
 
 Cost: ``content`` hashes each byte once: the source files with sha256, the sidecars' head blocks
-(and headers) with their BLAKE3 leaves (:mod:`foldckpt.hashing`), about a quarter of the CPU per byte.
+(and headers) with their BLAKE3 leaves (:mod:`foldckpt.io.hashing`), about a quarter of the CPU per byte.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from foldckpt.checkpoint import INDEX_NAME, SourceCheckpoint, open_source_checkpoint
-from foldckpt.consistency import (
+from foldckpt.model.checkpoint import INDEX_NAME, SourceCheckpoint, open_source_checkpoint
+from foldckpt.format.consistency import (
     Problem,
     add_head_ranges,
     changed_fold_inputs,
@@ -50,10 +50,10 @@ from foldckpt.consistency import (
     sidecar_headers,
 )
 from foldckpt.defaults import DEFAULT_MAX_SHARD_SIZE
-from foldckpt.direct_io import BufferPool
+from foldckpt.io.direct_io import BufferPool
 from foldckpt.errors import FoldckptError, ManifestError
-from foldckpt.files import is_locked, sha256_file, worker_pool
-from foldckpt.hashing import (
+from foldckpt.io.files import is_locked, sha256_file, worker_pool
+from foldckpt.io.hashing import (
     HashJob,
     all_cached,
     default_workers,
@@ -61,9 +61,9 @@ from foldckpt.hashing import (
     hash_job,
     head_digests,
 )
-from foldckpt.manifest import MANIFEST_NAME, Manifest, SourceTensor, file_sha256, read_manifest
+from foldckpt.format.manifest import MANIFEST_NAME, Manifest, SourceTensor, file_sha256, read_manifest
 from foldckpt.progress import progress_bar
-from foldckpt.safetensors_format import read_header, read_tensor_bytes
+from foldckpt.io.safetensors_format import read_header, read_tensor_bytes
 from foldckpt.signals import import_torch
 
 # torch (and the fold math) is imported by the deep level only: the cheaper levels read headers
@@ -375,9 +375,9 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
     from foldckpt.fold import (
         ROUNDING_TOLERANCE, fold_error, fold_layer, fold_layer_fp8, probe_error, within_one_rounding,
     )  # fmt: skip
-    from foldckpt.layer import load_layer_inputs, nonfinite_count, nonfinite_fold_problem
-    from foldckpt.plan import plan_conversion
-    from foldckpt.safetensors_format import TORCH_DTYPES
+    from foldckpt.convert.layer import load_layer_inputs, nonfinite_count, nonfinite_fold_problem
+    from foldckpt.convert.plan import plan_conversion
+    from foldckpt.tensors import TORCH_DTYPES
 
     plan = plan_conversion(
         out_dir, fold_dtype=manifest.fold_dtype,

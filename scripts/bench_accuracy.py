@@ -33,7 +33,7 @@ import torch
 from bench_machine import machine
 from foldckpt import __version__
 from foldckpt.fold import fold_chunks, fold_layer, fold_layer_fp8, quantize_fp8_rows
-from foldckpt.geometry import Geometry, MLALayer
+from foldckpt.model.geometry import Geometry, MLALayer
 
 K3 = Geometry("kimi_k3", "KimiK3ForConditionalGeneration", num_heads=96, q_lora_rank=1536, kv_lora_rank=512,
               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,

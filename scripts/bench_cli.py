@@ -58,7 +58,7 @@ def demo_output(work: Path) -> Path:
     """The demo's checkpoint, converted with this repository's foldckpt."""
     sys.path.insert(0, str(REPO))
     from foldckpt.convert import ConvertOptions, convert
-    from foldckpt.synthetic import make_checkpoint
+    from foldckpt.model.synthetic import make_checkpoint
 
     model = make_checkpoint(work / "kimi-k3-tiny", "kimi_k3")
     out = work / "kimi-k3-tiny-folded"

@@ -40,9 +40,9 @@ import click
 
 from bench_machine import machine
 from foldckpt import __version__
-from foldckpt.direct_io import DIRECT_CHUNK, DurableAppender, open_direct, read_direct
-from foldckpt.hashing import default_workers, in_page_cache, tensor_hasher
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.io.direct_io import DIRECT_CHUNK, DurableAppender, open_direct, read_direct
+from foldckpt.io.hashing import default_workers, in_page_cache, tensor_hasher
+from foldckpt.model.synthetic import make_checkpoint
 
 FULL_K3_SOURCE_BYTES = 1.4e12
 FULL_K3_MLA_LAYERS = 24

@@ -88,7 +88,7 @@ from foldckpt.runtime.kernels.reference import (  # noqa: E402
     unfolded_query,
 )
 from foldckpt.runtime.kernels.rope import rope_gptj  # noqa: E402
-from foldckpt.runtime.kernels.tune import triton_unfolded_query  # noqa: E402
+from foldckpt.tune.bf16 import triton_unfolded_query  # noqa: E402
 from foldckpt.runtime.kernels.timing import (  # noqa: E402
     measure_copy_bandwidth,
     measure_kernel_overhead_us,

@@ -43,9 +43,9 @@ from safetensors.torch import save_file
 from bench_machine import machine
 from foldckpt import __version__
 from foldckpt.convert import ConvertOptions, convert
-from foldckpt.files import HASH_CHUNK
-from foldckpt.manifest import read_manifest
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.io.files import HASH_CHUNK
+from foldckpt.format.manifest import read_manifest
+from foldckpt.model.synthetic import make_checkpoint
 from foldckpt.verify import VerifyOptions, default_workers, verify
 
 _EXPERT_TENSOR_BYTES = 64 * 1024 * 1024

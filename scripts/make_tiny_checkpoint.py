@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 import torch
 
-from foldckpt.synthetic import FAMILIES, make_checkpoint
+from foldckpt.model.synthetic import FAMILIES, make_checkpoint
 
 
 @click.command()

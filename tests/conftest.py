@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from foldckpt.convert import ConvertOptions, convert
-from foldckpt.direct_io import open_direct
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.io.direct_io import open_direct
+from foldckpt.model.synthetic import make_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -26,7 +26,7 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear
 
 from foldckpt.defaults import SCALED_FOLD_DTYPES
 from foldckpt.errors import FoldckptError
-from foldckpt.geometry import Geometry, MLALayer
+from foldckpt.model.geometry import Geometry, MLALayer
 from foldckpt.runtime import stats
 from foldckpt.runtime.kernels import fold_route_max_tokens, fp8_fold_runs_as_fp8
 from foldckpt.runtime.loader import FoldSet, served_fold_set

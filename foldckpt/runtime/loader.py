@@ -2,7 +2,7 @@
 
 The plugin calls :func:`open_fold_set` once per served directory, while the model is being built
 and before any weight is read. It runs the same consistency check as ``foldckpt verify``
-(:mod:`foldckpt.consistency`): the manifest proves itself unedited (self-digest, exact encoding,
+(:mod:`foldckpt.format.consistency`): the manifest proves itself unedited (self-digest, exact encoding,
 and the sha256 pinned by ``FOLDCKPT_EXPECT_MANIFEST_SHA256`` when set), hangs together, every file
 it lists exists with its size, every sidecar header holds exactly its folds, and ``config.json``
 gives exactly its geometry. A defect anywhere stops the engine with a :class:`FoldckptError`
@@ -27,13 +27,14 @@ from pathlib import Path
 
 import torch
 
-from foldckpt.consistency import changed_fold_inputs, check_served
+from foldckpt.format.consistency import changed_fold_inputs, check_served
 from foldckpt.defaults import EXPECT_MANIFEST_ENV
 from foldckpt.errors import FoldckptError
-from foldckpt.geometry import Geometry, MLALayer
-from foldckpt.hashing import describe_heads, head_digests, rank_digest
-from foldckpt.manifest import MANIFEST_NAME, FoldTensor, Manifest, ScaleTensor, read_manifest
-from foldckpt.safetensors_format import TORCH_DTYPES, SafetensorsHeader, read_tensor_bytes
+from foldckpt.model.geometry import Geometry, MLALayer
+from foldckpt.io.hashing import describe_heads, head_digests, rank_digest
+from foldckpt.format.manifest import MANIFEST_NAME, FoldTensor, Manifest, ScaleTensor, read_manifest
+from foldckpt.io.safetensors_format import SafetensorsHeader, read_tensor_bytes
+from foldckpt.tensors import TORCH_DTYPES
 
 _REMEDY = "re-run `foldckpt convert`, or set FOLDCKPT_DISABLE=1 to serve without the fold"
 

@@ -28,7 +28,7 @@ from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import dequantize_fp8_rows
-from foldckpt.geometry import MLALayer, describe_layers
+from foldckpt.model.geometry import MLALayer, describe_layers
 from foldckpt.runtime import stats
 from foldckpt.runtime.kernels import fp8_fold_runs_as_fp8, warmup_fold_gemm
 from foldckpt.runtime.loader import FoldSet

@@ -443,8 +443,8 @@ def test_specialized_decode_per_release(k3_tree: SourceTree) -> None:
 @pytest.mark.parametrize(
     ("module", "cls", "vllm_module", "vllm_cls"),
     [
-        ("foldckpt.runtime.kimi_k3_nvidia", "FoldedKimiK3MLA", NV_MLA, MLA),
-        ("foldckpt.runtime.kimi_k3_rocm", "FoldedKimiK3Wrapper", AMD_MLA, ROCM),
+        ("foldckpt.runtime.kimi_k3.nvidia", "FoldedKimiK3MLA", NV_MLA, MLA),
+        ("foldckpt.runtime.kimi_k3.amd", "FoldedKimiK3Wrapper", AMD_MLA, ROCM),
     ],
     ids=["nvidia", "rocm"],
 )

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from foldckpt.convert import ConvertOptions, convert
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.model.synthetic import make_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from foldckpt.convert import ConvertOptions, convert
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.model.synthetic import make_checkpoint
 from tests.e2e.harness import (
     DECODE_TOKENS,
     LOG_LINE,

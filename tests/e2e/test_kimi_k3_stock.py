@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.model.synthetic import make_checkpoint
 from tests.e2e.harness import MAX_TOKENS, PROMPTS, EngineRun, engine_env, requires_vllm, run_engine, run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, requires_vllm]

@@ -14,9 +14,9 @@ import json
 
 import pytest
 
-from foldckpt.checkpoint import INDEX_NAME
+from foldckpt.model.checkpoint import INDEX_NAME
 from foldckpt.convert import ConvertOptions, convert
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.model.synthetic import make_checkpoint
 from tests.e2e.harness import MAX_MODEL_LEN, PROMPTS, engine_env, requires_vllm, run_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, requires_vllm]

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from foldckpt.errors import FoldckptError
-from foldckpt.manifest import MANIFEST_NAME, read_manifest
+from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
 from foldckpt.runtime.loader import open_fold_set
-from foldckpt.safetensors_format import read_header
+from foldckpt.io.safetensors_format import read_header
 from tests.e2e.harness import MAX_MODEL_LEN, PROMPTS, engine_env, requires_vllm, run_job
 
 

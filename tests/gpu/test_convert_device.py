@@ -15,10 +15,11 @@ import torch
 from safetensors import safe_open
 
 from foldckpt.convert import ConvertOptions, convert
-from foldckpt.manifest import SourceTensor, read_manifest
-from foldckpt.plan import plan_conversion
-from foldckpt.safetensors_format import read_header, read_tensor
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.format.manifest import SourceTensor, read_manifest
+from foldckpt.convert.plan import plan_conversion
+from foldckpt.io.safetensors_format import read_header
+from foldckpt.tensors import read_tensor
+from foldckpt.model.synthetic import make_checkpoint
 from foldckpt.verify import VerifyOptions, verify
 
 pytestmark = pytest.mark.gpu

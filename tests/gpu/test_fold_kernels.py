@@ -133,7 +133,7 @@ def test_skinny_kernel_matches_fp64(cuda: torch.device, gen: torch.Generator, n:
 
 def test_triton_unfolded_query_matches_fp64(cuda: torch.device, gen: torch.Generator) -> None:
     """The benchmark's and tuner's unfolded baseline with the Triton q_b_proj kernel: vLLM's math."""
-    tune = pytest.importorskip("foldckpt.runtime.kernels.tune")
+    tune = pytest.importorskip("foldckpt.tune.bf16")
     triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
     dims = MlaDims(12)
     qn = dims.heads * (dims.nope + dims.rope)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from foldckpt.journal import JOURNAL_NAME
-from foldckpt.manifest import MANIFEST_NAME, read_manifest
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.convert.journal import JOURNAL_NAME
+from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
+from foldckpt.model.synthetic import make_checkpoint
 from tests.conftest import REPO, run_foldckpt
 
 Run = subprocess.CompletedProcess[str]
@@ -411,7 +411,7 @@ def test_convert_and_verify_json_need_no_progress_flag(make_model: Callable[...,
 def test_the_cli_offers_the_verify_levels_and_fold_dtypes_the_library_has() -> None:
     """The CLI keeps its own copies (importing the library's would import torch at start-up)."""
     from foldckpt import cli, verify
-    from foldckpt.plan import FOLD_DTYPES
+    from foldckpt.convert.plan import FOLD_DTYPES
 
     assert cli.LEVELS == verify.LEVELS
     assert tuple(cli.FOLD_DTYPE_NAMES) == tuple(FOLD_DTYPES)

@@ -17,16 +17,16 @@ from blake3 import blake3
 from safetensors import safe_open
 
 from foldckpt import defaults
-from foldckpt.checkpoint import INDEX_NAME
+from foldckpt.model.checkpoint import INDEX_NAME
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import ROUNDING_TOLERANCE, dequantize_fp8_blocks
-from foldckpt.geometry import read_geometry
-from foldckpt.manifest import MANIFEST_NAME, read_manifest
-from foldckpt.plan import plan_conversion
+from foldckpt.model.geometry import read_geometry
+from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
+from foldckpt.convert.plan import plan_conversion
 from foldckpt.runtime.loader import open_fold_set
-from foldckpt.safetensors_format import read_header
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.io.safetensors_format import read_header
+from foldckpt.model.synthetic import make_checkpoint
 from foldckpt.verify import VerifyOptions, verify
 from tests.conftest import direct_io_supported, run_foldckpt
 from tests.unit.test_fold import fp64_fold_of_head

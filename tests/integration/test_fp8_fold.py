@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 
 from foldckpt.convert import ConvertOptions
-from foldckpt.hashing import head_digests
-from foldckpt.manifest import read_manifest, write_manifest
+from foldckpt.io.hashing import head_digests
+from foldckpt.format.manifest import read_manifest, write_manifest
 from foldckpt.runtime.loader import open_fold_set
 from foldckpt.errors import FoldckptError
 from tests.integration.test_verify import Converted, failed_level, flip_byte, rewrite_tensor, run_verify, tensor_info

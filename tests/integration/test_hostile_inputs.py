@@ -30,13 +30,13 @@ from typing import Any
 import pytest
 import torch
 
-from foldckpt.checkpoint import INDEX_NAME
+from foldckpt.model.checkpoint import INDEX_NAME
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.errors import FoldckptError
-from foldckpt.journal import JOURNAL_NAME
-from foldckpt.manifest import MANIFEST_NAME
-from foldckpt.safetensors_format import read_header
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.convert.journal import JOURNAL_NAME
+from foldckpt.format.manifest import MANIFEST_NAME
+from foldckpt.io.safetensors_format import read_header
+from foldckpt.model.synthetic import make_checkpoint
 from foldckpt.verify import VerifyOptions, verify
 
 SHARD = "model-00002-of-00003.safetensors"  # holds layer 0's kv_b_proj and layer 1's q_b_proj
@@ -522,8 +522,8 @@ _SMALL_APPEND = """
 import resource, sys
 from pathlib import Path
 from foldckpt.errors import FoldckptError
-from foldckpt.safetensors_format import TensorSpec
-from foldckpt.sidecar import ShardWriter
+from foldckpt.io.safetensors_format import TensorSpec
+from foldckpt.format.sidecar import ShardWriter
 writer = ShardWriter(Path(sys.argv[1]), [TensorSpec("t", "U8", (4096,))], {})
 resource.setrlimit(resource.RLIMIT_FSIZE, (writer.offset + 100, writer.offset + 100))
 try:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from foldckpt.manifest import read_manifest
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.format.manifest import read_manifest
+from foldckpt.model.synthetic import make_checkpoint
 from tests.conftest import run_foldckpt
 
 REPO_ID = "acme/kimi-k3-tiny"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.model.synthetic import make_checkpoint
 from tests.conftest import REPO
 
 SETUP = "scripts/setup_venv.sh"

@@ -33,9 +33,9 @@ from safetensors.torch import save_file
 
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.errors import FoldckptError, ManifestError
-from foldckpt.manifest import FORMAT_VERSION, MANIFEST_NAME, encode_manifest, manifest_digest, read_manifest
+from foldckpt.format.manifest import FORMAT_VERSION, MANIFEST_NAME, encode_manifest, manifest_digest, read_manifest
 from foldckpt.runtime.loader import open_fold_set, served_fold_set
-from foldckpt.safetensors_format import read_header
+from foldckpt.io.safetensors_format import read_header
 from foldckpt.verify import VerifyOptions, verify
 from tests.conftest import REPO, run_foldckpt
 from tests.integration.test_verify import SMALL_SHARDS, flip_hex_digit_after, reseal_manifest, resign_raw
@@ -209,7 +209,7 @@ def test_one_definition_of_same_geometry_refuses_a_config_edit_in_verify_and_in_
 
 
 def test_the_serving_loader_does_not_import_the_conversion_planner() -> None:
-    code = "import sys, foldckpt.runtime.loader; print(sorted(m for m in sys.modules if m in ('foldckpt.plan', 'foldckpt.convert', 'foldckpt.layer')))"
+    code = "import sys, foldckpt.runtime.loader; print(sorted(m for m in sys.modules if m in ('foldckpt.convert.plan', 'foldckpt.convert', 'foldckpt.convert.layer')))"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert run.stdout.strip() == "[]"
 

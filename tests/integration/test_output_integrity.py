@@ -25,13 +25,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from foldckpt.checkpoint import INDEX_NAME
+from foldckpt.model.checkpoint import INDEX_NAME
 from foldckpt.convert import ConvertOptions, convert
-from foldckpt.files import exclusive_lock
-from foldckpt.journal import JOURNAL_NAME
-from foldckpt.manifest import MANIFEST_NAME, read_manifest
-from foldckpt.safetensors_format import read_header
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.io.files import exclusive_lock
+from foldckpt.convert.journal import JOURNAL_NAME
+from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
+from foldckpt.io.safetensors_format import read_header
+from foldckpt.model.synthetic import make_checkpoint
 from tests.conftest import run_foldckpt
 from tests.integration.test_resume import (
     CONVERT_ARGS,
@@ -238,9 +238,9 @@ def test_fold_underflowing_float16_is_an_error_naming_the_layer_and_its_rows(tmp
 def test_verify_deep_fails_on_a_fold_whose_ql_nope_rows_underflowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An output made without the convert-time check (an older foldckpt): the deep level measures
     the ql_nope rows on their own and refuses them."""
-    import foldckpt.layer
+    import foldckpt.convert.layer
 
-    monkeypatch.setattr(foldckpt.layer, "check_fold_accuracy", lambda *a: None)
+    monkeypatch.setattr(foldckpt.convert.layer, "check_fold_accuracy", lambda *a: None)
     model = scaled_model(tmp_path, 0.01, dtype=torch.float32)
     convert(model, tmp_path / "out", ConvertOptions(fold_dtype="float16", progress=False))
     run = verify_cli(tmp_path / "out", "--deep")
@@ -261,7 +261,7 @@ def test_verify_deep_fails_on_a_float32_fold_with_one_element_off_by_800_ulps(
 ) -> None:
     """One element 1e-4 (relative) off moves a float32 fold's relative error by less than its
     1e-6 tolerance; the per-element bound, once kept for bf16/fp16 folds, covers fp32 too."""
-    import foldckpt.layer
+    import foldckpt.convert.layer
     from foldckpt.fold import fold_layer_chunks
 
     def edited(*args: object, **kwargs: object) -> Iterator[tuple[slice, torch.Tensor]]:
@@ -270,7 +270,7 @@ def test_verify_deep_fails_on_a_float32_fold_with_one_element_off_by_800_ulps(
                 values[0, 3, 7] *= 1 + 1e-4
             yield heads, values
 
-    monkeypatch.setattr(foldckpt.layer, "fold_layer_chunks", edited)
+    monkeypatch.setattr(foldckpt.convert.layer, "fold_layer_chunks", edited)
     out = tmp_path / "out"
     convert(model, out, ConvertOptions(fold_dtype="float32", progress=False))
     run = verify_cli(out, "--deep")
@@ -288,7 +288,7 @@ def test_an_all_zero_layer_converts_and_verifies_deep(tmp_path: Path) -> None:
 
 def test_verify_deep_fails_on_a_fold_with_inf(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An output made without the convert-time check (an older foldckpt): the deep level catches it."""
-    import foldckpt.layer
+    import foldckpt.convert.layer
     from foldckpt.fold import fold_layer_chunks
 
     def overflowing(*args: object, **kwargs: object) -> Iterator[tuple[slice, torch.Tensor]]:
@@ -297,9 +297,9 @@ def test_verify_deep_fails_on_a_fold_with_inf(model: Path, tmp_path: Path, monke
                 values[0, 0, 0] = float("inf")
             yield heads, values
 
-    monkeypatch.setattr(foldckpt.layer, "fold_layer_chunks", overflowing)
-    monkeypatch.setattr(foldckpt.layer, "check_fold_finite", lambda *a: None)
-    monkeypatch.setattr(foldckpt.layer, "check_fold_accuracy", lambda *a: None)  # its error is Inf too
+    monkeypatch.setattr(foldckpt.convert.layer, "fold_layer_chunks", overflowing)
+    monkeypatch.setattr(foldckpt.convert.layer, "check_fold_finite", lambda *a: None)
+    monkeypatch.setattr(foldckpt.convert.layer, "check_fold_accuracy", lambda *a: None)  # its error is Inf too
     out = tmp_path / "out"
     convert(model, out, ConvertOptions(fold_dtype="float16", progress=False))
     run = verify_cli(out, "--deep")

@@ -29,11 +29,11 @@ import pytest
 
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.errors import FoldckptError
-from foldckpt.files import TMP_SUFFIX, tmp_path_for
-from foldckpt.journal import JOURNAL_NAME
-from foldckpt.manifest import MANIFEST_NAME, read_manifest
-from foldckpt.plan import SIDECAR_PREFIX
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.io.files import TMP_SUFFIX, tmp_path_for
+from foldckpt.convert.journal import JOURNAL_NAME
+from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
+from foldckpt.convert.plan import SIDECAR_PREFIX
+from foldckpt.model.synthetic import make_checkpoint
 from foldckpt.verify import VerifyOptions, verify
 from tests.conftest import run_foldckpt
 
@@ -492,7 +492,7 @@ def test_a_layer_refused_after_its_first_chunks_were_written_is_folded_again_by_
     count as written: the rerun folds that layer again and the output is byte-identical to an
     uninterrupted run's. The 4th layer (the second of the second sidecar) is spoiled in its last
     chunk, after its first chunk is on disk."""
-    import foldckpt.layer
+    import foldckpt.convert.layer
     from foldckpt.fold import fold_layer_chunks
 
     out = tmp_path / "out"
@@ -518,7 +518,7 @@ def test_a_layer_refused_after_its_first_chunks_were_written_is_folded_again_by_
                 values.mul_(1.5)
             yield heads, values
 
-    monkeypatch.setattr(foldckpt.layer, "fold_layer_chunks", spoiled)
+    monkeypatch.setattr(foldckpt.convert.layer, "fold_layer_chunks", spoiled)
     with pytest.raises(FoldckptError, match="MLA layer 3 .*relative error vs fp64"):
         resume_in_process(model, out)
     assert journaled_layers(out) == 3

@@ -21,14 +21,15 @@ import torch
 
 from foldckpt.convert import ConvertOptions
 from foldckpt.errors import FoldckptError
-from foldckpt.consistency import header_sha256
-from foldckpt.manifest import MANIFEST_NAME, SidecarRecord, read_manifest, write_manifest
+from foldckpt.format.consistency import header_sha256
+from foldckpt.format.manifest import MANIFEST_NAME, SidecarRecord, read_manifest, write_manifest
 from foldckpt.fold import reference_fold_heads
-from foldckpt.safetensors_format import TORCH_DTYPES, TensorInfo, read_header, read_tensor
-from foldckpt.files import HASH_BUFFER
-from foldckpt.direct_io import DIRECT_CHUNK
-from foldckpt.hashing import chunks, head_digests, in_page_cache
-from foldckpt.manifest import DIGEST_KEY, encode_manifest, manifest_digest
+from foldckpt.io.safetensors_format import TensorInfo, read_header
+from foldckpt.tensors import TORCH_DTYPES, read_tensor
+from foldckpt.io.files import HASH_BUFFER
+from foldckpt.io.direct_io import DIRECT_CHUNK
+from foldckpt.io.hashing import chunks, head_digests, in_page_cache
+from foldckpt.format.manifest import DIGEST_KEY, encode_manifest, manifest_digest
 from foldckpt.verify import LEVELS, LevelResult, Problem, VerifyOptions, VerifyReport, check_deep, verify
 from tests.conftest import direct_io_supported, evict_from_page_cache, run_foldckpt
 

@@ -1,7 +1,7 @@
 """pyproject.toml declares what foldckpt imports at run time, and nothing else (issue 11).
 
 Read from the source with ``ast`` (every ``import``, top level or inside a function): the core
-modules' third-party imports must be exactly the core dependencies; ``foldckpt.synthetic`` may add
+modules' third-party imports must be exactly the core dependencies; ``foldckpt.model.synthetic`` may add
 the ``synthetic`` extra; ``foldckpt.runtime`` (the vLLM plugin) may add vLLM and what GPU builds
 of torch bring (triton) or ROCm images ship (aiter).
 """
@@ -45,8 +45,20 @@ def project() -> dict:
     return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
 
+SYNTHETIC = PACKAGE / "model" / "synthetic.py"
+
+
+def core_modules() -> list[Path]:
+    """The library without the vLLM plugin (``runtime``), the GPU tuner (``tune``) and ``synthetic``."""
+    return [
+        path
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != SYNTHETIC and path.relative_to(PACKAGE).parts[0] not in ("runtime", "tune")
+    ]
+
+
 def test_core_dependencies_are_exactly_what_the_library_imports() -> None:
-    core = [p for p in PACKAGE.glob("*.py") if p.name != "synthetic.py"]
+    core = core_modules()
     imported = {dist(name) for name in third_party_imports(core)}
     assert imported == requirement_names(project()["dependencies"])
     assert "numpy" not in imported  # the convert path writes tensor bytes without numpy
@@ -55,10 +67,23 @@ def test_core_dependencies_are_exactly_what_the_library_imports() -> None:
 def test_synthetic_checkpoints_need_only_the_synthetic_extra() -> None:
     meta = project()
     allowed = requirement_names(meta["dependencies"]) | requirement_names(meta["optional-dependencies"]["synthetic"])
-    imported = {dist(name) for name in third_party_imports([PACKAGE / "synthetic.py"])}
+    imported = {dist(name) for name in third_party_imports([SYNTHETIC])}
     assert imported <= allowed
     # safetensors' torch writer imports numpy: the extra carries it
     assert {"safetensors", "numpy"} <= requirement_names(meta["optional-dependencies"]["synthetic"])
+
+
+def test_the_io_package_never_imports_torch() -> None:
+    """``foldckpt.io`` is bytes: the CLI's start-up and verify's structure checks stay torch-free."""
+    io_modules = sorted((PACKAGE / "io").rglob("*.py"))
+    assert io_modules and "torch" not in third_party_imports(io_modules)
+
+
+def test_the_tuner_imports_only_what_the_plugin_may() -> None:
+    meta = project()
+    tuner = sorted((PACKAGE / "tune").rglob("*.py"))
+    imported = {dist(name) for name in third_party_imports(tuner)} - RUNTIME_PROVIDED
+    assert imported <= requirement_names(meta["dependencies"])
 
 
 def test_the_vllm_plugin_imports_only_vllm_beyond_the_core() -> None:

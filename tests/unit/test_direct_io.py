@@ -1,4 +1,4 @@
-"""Direct I/O (foldckpt.direct_io) on real files: the bytes read and written are exactly the plain
+"""Direct I/O (foldckpt.io.direct_io) on real files: the bytes read and written are exactly the plain
 ones whatever the alignment, and the page cache really is bypassed where the filesystem allows."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
-from foldckpt.direct_io import (
+from foldckpt.io.direct_io import (
     ALIGN, DIRECT_CHUNK, HUGE_PAGE, BufferPool, DiskPriority, DurableAppender, aligned_buffer, buffer_address,
     direct_reader, open_direct, read_direct,
 )  # fmt: skip
-from foldckpt.files import HASH_BUFFER
-from foldckpt.hashing import HashJob, RangeCheck, hash_job, in_page_cache
+from foldckpt.io.files import HASH_BUFFER
+from foldckpt.io.hashing import HashJob, RangeCheck, hash_job, in_page_cache
 from tests.conftest import direct_io_supported, evict_from_page_cache
 
 @pytest.fixture

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from foldckpt.checkpoint import INDEX_NAME, list_files_to_place, open_source_checkpoint
-from foldckpt.consistency import Problem
+from foldckpt.model.checkpoint import INDEX_NAME, list_files_to_place, open_source_checkpoint
+from foldckpt.format.consistency import Problem
 from foldckpt.errors import FoldckptError
-from foldckpt.geometry import CONFIG_NAME, geometry_from_config, read_geometry
-from foldckpt.plan import plan_conversion
-from foldckpt.safetensors_format import read_header
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.model.geometry import CONFIG_NAME, geometry_from_config, read_geometry
+from foldckpt.convert.plan import plan_conversion
+from foldckpt.io.safetensors_format import read_header
+from foldckpt.model.synthetic import make_checkpoint
 
 SHARD = "model-00001-of-00002.safetensors"
 

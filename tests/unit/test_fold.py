@@ -12,7 +12,7 @@ from foldckpt.errors import FoldckptError
 from foldckpt.fold import (
     ROUNDING_TOLERANCE, dequantize_fp8_blocks, fold_error, fold_layer, onednn_bf16_fold, probe_error, sample_heads,
 )  # fmt: skip
-from foldckpt.geometry import Geometry, MLALayer
+from foldckpt.model.geometry import Geometry, MLALayer
 
 TINY = Geometry("deepseek", "DeepseekV3ForCausalLM", num_heads=8, q_lora_rank=64, kv_lora_rank=512,
                 qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, layers=(MLALayer(0, "model.layers.0"),))  # fmt: skip
@@ -217,7 +217,7 @@ def test_a_fold_is_proved_finite_only_where_no_sum_can_overflow(fold_dtype: str,
     """convert skips scanning a fold for Inf only where its inputs prove it finite. Constant inputs
     make every W_UKᵀ·W_qb_nope element exactly P·a·b = ``value``; a bound that forgot the sum over
     P (or the dtype's range) would call the 70000 fold safe."""
-    from foldckpt.layer import LayerInputs
+    from foldckpt.convert.layer import LayerInputs
 
     g = TINY
     factor = (value / g.qk_nope_head_dim) ** 0.5

@@ -1,4 +1,4 @@
-"""A layer's fold made head chunk by head chunk through the ring (foldckpt.layer.fold_from_source).
+"""A layer's fold made head chunk by head chunk through the ring (foldckpt.convert.layer.fold_from_source).
 
 Which bugs these catch: chunks emitted out of sidecar order or with other bytes than the whole
 fold's, head digests or error statistics that differ from those of the whole fold, the fp8 row
@@ -17,11 +17,12 @@ import torch
 
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import fold_error, fold_layer, fold_layer_fp8, sample_heads
-from foldckpt.hashing import head_digests
-from foldckpt.layer import FoldRing, fold_from_source, load_layer_inputs, reader
-from foldckpt.plan import ConversionPlan, plan_conversion
-from foldckpt.safetensors_format import TensorInfo, tensor_to_bytes
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.io.hashing import head_digests
+from foldckpt.convert.layer import FoldRing, fold_from_source, load_layer_inputs, reader
+from foldckpt.convert.plan import ConversionPlan, plan_conversion
+from foldckpt.io.safetensors_format import TensorInfo
+from foldckpt.tensors import tensor_to_bytes
+from foldckpt.model.synthetic import make_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +127,7 @@ def test_a_failed_fold_leaves_every_buffer_back_in_the_ring(
     """A layer refused by its accuracy check after its last chunk (the consumer gave back what was
     emitted), or an error while a chunk was out (hashing it, here): the ring must have all its
     slots again, or the next fold would wait forever."""
-    import foldckpt.layer
+    import foldckpt.convert.layer
     from foldckpt.fold import fold_layer_chunks
 
     if failure == "refused by its check":
@@ -136,7 +137,7 @@ def test_a_failed_fold_leaves_every_buffer_back_in_the_ring(
                 values.mul_(1.5)
                 yield heads, values
 
-        monkeypatch.setattr(foldckpt.layer, "fold_layer_chunks", spoiled)
+        monkeypatch.setattr(foldckpt.convert.layer, "fold_layer_chunks", spoiled)
         expected: type[BaseException] = FoldckptError
     else:
         calls: list[None] = []
@@ -147,7 +148,7 @@ def test_a_failed_fold_leaves_every_buffer_back_in_the_ring(
                 raise OSError("hashing failed")
             return head_digests(*args, **kwargs)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(foldckpt.layer, "head_digests", failing)
+        monkeypatch.setattr(foldckpt.convert.layer, "head_digests", failing)
         expected = OSError
     ring = FoldRing(slots=2)
     with pytest.raises(expected):

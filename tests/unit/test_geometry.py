@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from foldckpt.errors import FoldckptError
-from foldckpt.geometry import geometry_from_config
+from foldckpt.model.geometry import geometry_from_config
 
 DEEPSEEK_V3: dict[str, Any] = {
     "architectures": ["DeepseekV3ForCausalLM"], "num_attention_heads": 128, "q_lora_rank": 1536,

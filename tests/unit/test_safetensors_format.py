@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from foldckpt.safetensors_format import TensorSpec, encode_header, read_header, read_tensor, tensor_to_bytes
+from foldckpt.io.safetensors_format import TensorSpec, encode_header, read_header
+from foldckpt.tensors import read_tensor, tensor_to_bytes
 
 
 def test_reader_matches_safetensors_library(tmp_path: Path) -> None:

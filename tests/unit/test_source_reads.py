@@ -1,4 +1,4 @@
-"""The hashing passes that hand the fold its inputs (foldckpt.source_reads), on real files.
+"""The hashing passes that hand the fold its inputs (foldckpt.convert.source_reads), on real files.
 
 Which bugs these catch: a pass that hands over bytes other than the tensor's (wrong offsets, a
 buffer reused by the next chunk), a digest not of exactly those bytes, a copy made past the budget
@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
-from foldckpt.direct_io import DiskPriority
+from foldckpt.io.direct_io import DiskPriority
 from foldckpt.errors import FoldckptError
-from foldckpt.manifest import FileRecord
-from foldckpt.plan import ConversionPlan, plan_conversion
-from foldckpt.safetensors_format import TensorInfo, read_tensor_bytes
-from foldckpt.source_reads import LOOKAHEAD_LAYERS, IOCounters, SourceReads
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.format.manifest import FileRecord
+from foldckpt.convert.plan import ConversionPlan, plan_conversion
+from foldckpt.io.safetensors_format import TensorInfo, read_tensor_bytes
+from foldckpt.convert.source_reads import LOOKAHEAD_LAYERS, IOCounters, SourceReads
+from foldckpt.model.synthetic import make_checkpoint
 
 
 @pytest.fixture(scope="module")

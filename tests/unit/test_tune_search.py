@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from foldckpt.runtime.kernels.tune import BUCKETS, time_bucket
+from foldckpt.tune.bf16 import BUCKETS, time_bucket
 from foldckpt.runtime.kernels.tuning import KernelConfig
 
 CANDIDATES = [KernelConfig(16, block_n, block_k, 1, 4, stages) for block_n in (32, 64, 128) for block_k in (64, 128)

@@ -2,7 +2,7 @@
 
 One TOML file per GPU kind in ``configs/`` beside this module (``configs/<gpu_key>.toml``, found
 through this module's own path so it works from a source tree and from an installed wheel). The
-files are written by ``python -m foldckpt.runtime.kernels.tune`` on the GPU they describe, from
+files are written by ``python -m foldckpt.tune`` on the GPU they describe, from
 measurements, never by hand-picked numbers. Layout::
 
     [meta]                      gpu = "nvidia_h200", device_name, torch, triton, date, ...

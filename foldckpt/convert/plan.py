@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from foldckpt import __version__
-from foldckpt.checkpoint import SourceCheckpoint, list_files_to_place, open_source_checkpoint
+from foldckpt.model.checkpoint import SourceCheckpoint, list_files_to_place, open_source_checkpoint
 from foldckpt.defaults import (
     DEFAULT_FOLD_DTYPE,
     DEFAULT_MAX_SHARD_SIZE,
@@ -23,8 +23,8 @@ from foldckpt.defaults import (
     SIDECAR_PREFIX,
 )
 from foldckpt.errors import FoldckptError
-from foldckpt.geometry import Geometry, MLALayer, read_geometry
-from foldckpt.safetensors_format import TensorInfo, TensorSpec, file_size_for
+from foldckpt.model.geometry import Geometry, MLALayer, read_geometry
+from foldckpt.io.safetensors_format import TensorInfo, TensorSpec, file_size_for
 
 # ``--fold-dtype`` choices (and the safetensors dtype each is stored as), the sidecar prefix and the
 # shard cap are written once, in foldckpt.defaults. Planning needs no torch; ``FOLD_DTYPES``
@@ -167,7 +167,7 @@ def _source_weight(
 
 
 def sidecar_size(specs: list[TensorSpec]) -> int:
-    """The size of a sidecar shard holding ``specs`` (its header as :class:`~foldckpt.sidecar.ShardWriter` writes it)."""
+    """The size of a sidecar shard holding ``specs`` (its header as :class:`~foldckpt.format.sidecar.ShardWriter` writes it)."""
     return file_size_for(specs, SIDECAR_METADATA, SIDECAR_HEADER_ALIGN)
 
 
@@ -201,8 +201,8 @@ def resolve_tp_sizes(geometry: Geometry, tp_sizes: tuple[int, ...] | None) -> tu
 def _refuse_foldckpt_output(model_dir: Path) -> None:
     """A foldckpt output (finished or not) is not a model to convert: its manifest, journal and
     sidecars would be carried over as source files of the new output, which then fails verify."""
-    from foldckpt.journal import JOURNAL_NAME
-    from foldckpt.manifest import MANIFEST_NAME
+    from foldckpt.convert.journal import JOURNAL_NAME
+    from foldckpt.format.manifest import MANIFEST_NAME
 
     marks = [MANIFEST_NAME, JOURNAL_NAME, *sorted(p.name for p in model_dir.glob(f"{SIDECAR_PREFIX}*.safetensors"))]
     found = [name for name in marks if (model_dir / name).exists()]

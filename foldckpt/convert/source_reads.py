@@ -9,7 +9,7 @@ source byte is read twice and the fold of a layer starts as soon as the pass has
 inputs, long before the file's end.
 
 Memory stays a few layers' inputs whatever the layout, in buffers reused from layer to layer
-(:class:`~foldckpt.direct_io.BufferPool`; a CPU fold is done with a layer's inputs once it takes
+(:class:`~foldckpt.io.direct_io.BufferPool`; a CPU fold is done with a layer's inputs once it takes
 the next layer's, a GPU fold once it has copied them to the GPU): a pass over a file that feeds
 the fold starts only once the fold is within ``LOOKAHEAD_LAYERS`` of the first layer it feeds (it
 waits before it has copied anything, and files are started in the order of the layers they feed,
@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from foldckpt.direct_io import BufferPool, DiskPriority
+from foldckpt.io.direct_io import BufferPool, DiskPriority
 from foldckpt.errors import FoldckptError
-from foldckpt.hashing import HashJob, RangeCheck, hash_job, tensor_digest
-from foldckpt.manifest import FileRecord
-from foldckpt.safetensors_format import TensorInfo, read_tensor_bytes
+from foldckpt.io.hashing import HashJob, RangeCheck, hash_job, tensor_digest
+from foldckpt.format.manifest import FileRecord
+from foldckpt.io.safetensors_format import TensorInfo, read_tensor_bytes
 
 # Niceness of the passes over files that feed no layer (see _yield_to_the_fold); a thread
 # cannot raise it back.
@@ -299,7 +299,7 @@ def _yield_to_the_fold() -> None:
 
 
 class _Capture:
-    """The :class:`~foldckpt.hashing.Capture` of one pass: copies the wanted inputs within budget."""
+    """The :class:`~foldckpt.io.hashing.Capture` of one pass: copies the wanted inputs within budget."""
 
     def __init__(self, reads: SourceReads, by_bound: dict[tuple[int, int], tuple[str, str]]) -> None:
         self.reads = reads

@@ -2,7 +2,7 @@
 
 One direction, one layer at a time: peak memory is a layer's q_b_proj and kv_b_proj in fp32 plus
 its fold, whatever the size of the model. Every durable step is journaled (see
-:mod:`foldckpt.journal`), so a killed run resumes where it stopped and produces the same bytes as
+:mod:`foldckpt.convert.journal`), so a killed run resumes where it stopped and produces the same bytes as
 an uninterrupted one; the manifest is written last and its presence means "finished".
 """
 
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from foldckpt.checkpoint import INDEX_NAME, stays_inside
-from foldckpt.consistency import heads_intact, sidecar_intact
+from foldckpt.model.checkpoint import INDEX_NAME, stays_inside
+from foldckpt.format.consistency import heads_intact, sidecar_intact
 from foldckpt.defaults import (
     ACCUMULATION_DTYPE,
     DEFAULT_FOLD_DEVICE,
@@ -37,9 +37,9 @@ from foldckpt.defaults import (
     require_fold_device,
     resolve_fold_device,
 )
-from foldckpt.direct_io import DiskPriority
+from foldckpt.io.direct_io import DiskPriority
 from foldckpt.errors import FoldckptError
-from foldckpt.files import (
+from foldckpt.io.files import (
     atomic_output,
     exclusive_lock,
     fingerprint,
@@ -51,11 +51,11 @@ from foldckpt.files import (
     tmp_path_for,
     worker_pool,
 )
-from foldckpt.hashing import default_workers
-from foldckpt.hub import ModelSource
+from foldckpt.io.hashing import default_workers
+from foldckpt.model.hub import ModelSource
 from foldckpt.inspect import FoldedLayer
-from foldckpt.journal import JOURNAL_NAME, Journal, ShardProgress, run_key
-from foldckpt.manifest import (
+from foldckpt.convert.journal import JOURNAL_NAME, Journal, ShardProgress, run_key
+from foldckpt.format.manifest import (
     MANIFEST_NAME,
     FileRecord,
     FoldTensor,
@@ -65,7 +65,7 @@ from foldckpt.manifest import (
     read_manifest,
     write_manifest,
 )
-from foldckpt.plan import (
+from foldckpt.convert.plan import (
     DEFAULT_MAX_SHARD_SIZE,
     SIDECAR_METADATA,
     SIDECAR_PREFIX,
@@ -75,12 +75,12 @@ from foldckpt.plan import (
     plan_conversion,
 )
 from foldckpt.progress import progress_bar
-from foldckpt.sidecar import ShardWriter
+from foldckpt.format.sidecar import ShardWriter
 from foldckpt.signals import import_torch
-from foldckpt.source_reads import IOCounters, SourceReads
+from foldckpt.convert.source_reads import IOCounters, SourceReads
 
 if TYPE_CHECKING:
-    from foldckpt.layer import Fetch, FoldRing
+    from foldckpt.convert.layer import Fetch, FoldRing
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "ConvertOptions", "ConvertResult", "LayerOutcome", "convert"]
 
@@ -564,7 +564,7 @@ def _hash_and_fold(
         try:
             with _collector_paused():
                 import_torch()  # only once there is something to fold
-                from foldckpt.layer import FoldRing
+                from foldckpt.convert.layer import FoldRing
 
                 require_fold_device(device, "nothing was folded: rerun with --device cpu or auto, and --restart")
                 ring = FoldRing(waiting=lambda: counters.timed("fold_waiting_for_writes"))
@@ -618,7 +618,7 @@ def _write_shard(
     """Write (or finish) one sidecar shard; returns the folds (tensor names) made in this run. Each
     head chunk of a layer's fold is written while the next is folded, and each layer is fsynced and
     journaled once whole and checked, while the next layer is folded."""
-    from foldckpt.layer import fold_from_source  # torch: only once there is something to fold
+    from foldckpt.convert.layer import fold_from_source  # torch: only once there is something to fold
 
     fetch, release, device, ring = source
     progress = journal.shard(shard.name)
@@ -808,7 +808,7 @@ def convert(
 ) -> ConvertResult:
     """Fold every MLA layer of ``model_dir`` into sidecars in ``out_dir`` (resumable, idempotent).
 
-    ``model_dir`` is a directory, or a :class:`~foldckpt.hub.ModelSource` (a Hugging Face cache
+    ``model_dir`` is a directory, or a :class:`~foldckpt.model.hub.ModelSource` (a Hugging Face cache
     snapshot, whose id and commit the manifest then records).
     """
     started = time.monotonic()

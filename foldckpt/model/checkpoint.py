@@ -14,8 +14,8 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from foldckpt.errors import FoldckptError
-from foldckpt.files import read_json_file
-from foldckpt.safetensors_format import SafetensorsHeader, TensorInfo, read_header, read_tensor
+from foldckpt.io.files import read_json_file
+from foldckpt.io.safetensors_format import SafetensorsHeader, TensorInfo, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
@@ -45,6 +45,8 @@ class SourceCheckpoint:
         if located is None:
             raise FoldckptError.at(self.model_dir, f"tensor '{name}' is not in the checkpoint", name)
         file, info = located
+        from foldckpt.tensors import read_tensor  # torch: only once a tensor is read
+
         return read_tensor(self.model_dir / file, info)
 
 

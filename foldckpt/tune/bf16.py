@@ -1,6 +1,6 @@
 """Measure the fold GEMM on this GPU and write its tuning table (``configs/<gpu_key>.toml``).
 
-    python -m foldckpt.runtime.kernels.tune --out DIR [--budget-s 330] [--heads 12,6,24]
+    python -m foldckpt.tune --out DIR [--budget-s 330] [--heads 12,6,24]
 
 1. Search: for every fold shape (N, K) and token bucket, time Triton configs of a pruned grid
    (tile sizes, split-K, pipeline depth, warps, TMA) at the bucket's largest M with CUDA graphs
@@ -24,7 +24,7 @@ Writes ``tune_<gpu>.json`` (every measurement) and ``<gpu>.toml`` into DIR; copy
 kept as they are in ``--base`` (default: the shipped table; ``--base-json`` carries their
 measurements over too). Needs a CUDA GPU and Triton.
 
-    python -m foldckpt.runtime.kernels.tune --fp8 --out DIR [--budget-s 120] [--base-json JSON]
+    python -m foldckpt.tune --fp8 --out DIR [--budget-s 120] [--base-json JSON]
 
 tunes the fp8 fold instead (``tune_fp8``): the same steps for the e4m3 weight + per-row scale,
 written as [[fp8_shape]] / [[skinny]] role="fold_fp8" into a copy of ``--base`` whose other
@@ -732,7 +732,7 @@ def toml_text(
         return json.dumps(v)
 
     lines = [
-        f"# Written by `python -m foldckpt.runtime.kernels.tune` on {meta['device_name']}; do not edit by hand.",
+        f"# Written by `python -m foldckpt.tune` on {meta['device_name']}; do not edit by hand.",
         "",
         "[meta]",
     ]
@@ -944,6 +944,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"done in {time.monotonic() - start:.0f} s; {len(log)} configs timed", flush=True)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

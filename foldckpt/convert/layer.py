@@ -1,10 +1,10 @@
 """One layer's fold computed from the source checkpoint, as convert stores it and verify re-derives it.
 
 Gets the layer's inputs with the digest of exactly their bytes (for provenance) from a ``fetch``
-(convert's: handed over by the pass that hashes the source file, :mod:`foldckpt.source_reads`;
+(convert's: handed over by the pass that hashes the source file, :mod:`foldckpt.convert.source_reads`;
 verify's: read here), dequantizes fp8 blocks, refuses NaN/Inf, folds (on the CPU or a GPU),
 measures the error against fp64 on sampled heads, and hashes the result once, head block by head
-block (the leaves of :mod:`foldckpt.hashing`'s per-head tree).
+block (the leaves of :mod:`foldckpt.io.hashing`'s per-head tree).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from foldckpt.defaults import SCALED_FOLD_DTYPES, fold_torch_dtype
-from foldckpt.direct_io import BufferPool
+from foldckpt.io.direct_io import BufferPool
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import (
     FP8_MAX,
@@ -36,11 +36,12 @@ from foldckpt.fold import (
     sample_heads,
     within_one_rounding,
 )
-from foldckpt.geometry import Geometry
-from foldckpt.hashing import head_digests, tensor_digest
-from foldckpt.manifest import FoldTensor, ScaleTensor, SourceTensor
-from foldckpt.plan import ConversionPlan, LayerPlan, SourceWeight
-from foldckpt.safetensors_format import TORCH_DTYPES, TensorInfo, read_tensor_bytes
+from foldckpt.model.geometry import Geometry
+from foldckpt.io.hashing import head_digests, tensor_digest
+from foldckpt.format.manifest import FoldTensor, ScaleTensor, SourceTensor
+from foldckpt.convert.plan import ConversionPlan, LayerPlan, SourceWeight
+from foldckpt.io.safetensors_format import TensorInfo, read_tensor_bytes
+from foldckpt.tensors import TORCH_DTYPES
 
 # Head chunks of a layer's fold that may be out at once (made and not yet written): FoldRing.
 _FOLD_RING_SLOTS = 8
@@ -76,7 +77,7 @@ class LayerInputs:
         return bound <= torch.finfo(dtype).max / 2  # False for NaN and Inf
 
 
-# (file, header info) -> the tensor's bytes and their tensor digest (foldckpt.hashing).
+# (file, header info) -> the tensor's bytes and their tensor digest (foldckpt.io.hashing).
 Fetch = Callable[[str, TensorInfo], tuple[bytearray | memoryview, str]]
 
 
@@ -220,7 +221,7 @@ class FoldRing:
     Why: a Kimi-K3 layer's fold is 170 MB in bf16. Held whole, and twice so that one layer was
     folded while the other was written, it was 340 MB of a conversion's peak RSS, more than torch
     itself; 8 chunks of 4 heads are 57 MB, and the fold still runs up to 7 chunks ahead of the
-    writer. Buffers are reused by size (:class:`~foldckpt.direct_io.BufferPool`: a fresh one costs
+    writer. Buffers are reused by size (:class:`~foldckpt.io.direct_io.BufferPool`: a fresh one costs
     its page faults) and page-aligned, so the writer's direct I/O takes their bytes as they are."""
 
     def __init__(
@@ -265,7 +266,7 @@ def fold_from_source(
 ) -> FoldTensor:
     """Fold one layer head chunk by head chunk into ``ring``'s buffers and ``emit`` each chunk's
     stored bytes once hashed (each fold byte once, head by head: the leaves of
-    :mod:`foldckpt.hashing`'s per-head tree) and measured, then the fp8 row scales if any. Returns
+    :mod:`foldckpt.io.hashing`'s per-head tree) and measured, then the fp8 row scales if any. Returns
     the layer's manifest record once every check has passed; a check that fails raises after
     chunks were emitted, so the caller must count no emitted bytes as the layer's before it has
     the record (convert journals a layer after it). A GPU fold copies the inputs to the GPU first

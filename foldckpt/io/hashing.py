@@ -18,7 +18,7 @@ Three things live here, and nowhere else:
   each fold byte once, whatever TP sizes will serve it;
 * **bounded reads** for whole-file and range digests (:func:`hash_job`): ``preadv`` into one fixed
   buffer per thread (no memory map, so the address space a check needs does not grow with the
-  files), direct I/O for files not in the page cache (:mod:`foldckpt.direct_io`), each chunk fed
+  files), direct I/O for files not in the page cache (:mod:`foldckpt.io.direct_io`), each chunk fed
   to the whole-file digest and to every range (head block) it overlaps while it is in cache; plain
   reads ask the kernel to prefetch, so that the disk stays busy while the thread hashes.
 """
@@ -38,8 +38,8 @@ from typing import BinaryIO, Protocol
 
 from blake3 import blake3
 
-from foldckpt.direct_io import BufferPool, direct_reader, read_direct, refused
-from foldckpt.files import HASH_BUFFER, os_error
+from foldckpt.io.direct_io import BufferPool, direct_reader, read_direct, refused
+from foldckpt.io.files import HASH_BUFFER, os_error
 
 # The definitions of the tensor digests, recorded in the manifest (``integrity``) for other readers.
 TENSOR_DIGEST_RULE = "BLAKE3 (32-byte output, hex) of exactly the tensor's stored bytes"
@@ -233,7 +233,7 @@ def chunks(
     pool: BufferPool | None = None,
 ) -> Iterator[tuple[int, memoryview]]:
     """``(offset, bytes)`` of ``segments`` (clipped to ``size``), each valid until the next: read
-    through ``direct`` (a direct-I/O descriptor of the same file, see :mod:`foldckpt.direct_io`)
+    through ``direct`` (a direct-I/O descriptor of the same file, see :mod:`foldckpt.io.direct_io`)
     when given and the filesystem takes its transfers, whole transfers of ``DIRECT_CHUNK`` bytes;
     else from ``handle`` in ``HASH_BUFFER`` steps into one fixed buffer (which stays in the core's
     cache while sha256 reads it back) with ``preadv``, the next ``_PREFETCH`` bytes asked ahead;
@@ -319,10 +319,10 @@ def hash_job(
 
     ``bypass_cache``: stream a large file that is not in the page cache with direct I/O (convert's
     passes and ``verify --level content``): the page cache's copies cost 1.1-1.5 core-s per GB,
-    direct reads 0.13-0.15, and from huge pages (:func:`~foldckpt.direct_io.aligned_buffer`) they
+    direct reads 0.13-0.15, and from huge pages (:func:`~foldckpt.io.direct_io.aligned_buffer`) they
     keep the disk busier than plain reads with prefetch: ``verify --level content`` of a 16-layer
     conversion (8.3 GB, cold, 2 cores) took 8.6-9.0 s plain and 3.4-3.5 s direct, alternated.
-    Without it, plain reads (:func:`~foldckpt.consistency.heads_intact`: a few head blocks of a
+    Without it, plain reads (:func:`~foldckpt.format.consistency.heads_intact`: a few head blocks of a
     sidecar, for the serving loader and convert's resume checks). ``pool`` lends the direct reads
     their buffers (one pool for a run's reads: no fresh buffer per file)."""
     whole = hashlib.sha256() if job.whole else None

@@ -6,31 +6,26 @@ the converter must turn every defect into a one-line error naming the file *befo
 object). This module validates the whole header against the file size, then reads exactly the
 byte range of one tensor with ``pread`` so peak memory is one tensor, never a shard. The writer
 header is encoded up front from the planned shapes so tensor bytes can be streamed after it
-(see :mod:`foldckpt.sidecar`); a sidecar shard is never held in memory either. Files written here are read back with the real ``safetensors`` library in tests.
+(see :mod:`foldckpt.format.sidecar`); a sidecar shard is never held in memory either. Files
+written here are read back with the real ``safetensors`` library in tests.
 
-Headers, hashing and byte reads need no torch: it is imported only by the functions that make or
-take tensors (:func:`read_tensor`, :func:`tensor_to_bytes`) and by the dtype maps
-``TORCH_DTYPES`` / ``SAFETENSORS_DTYPES``, built on first access, so ``inspect``, ``verify`` up to
-its content level and ``convert --dry-run`` start without it.
+No torch here: headers, hashing and byte reads are all ``inspect``, ``verify`` up to its content
+level and ``convert --dry-run`` need, so they start without it. Tensors made from these bytes, and
+bytes taken from tensors, are :mod:`foldckpt.tensors`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
 import math
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from foldckpt.errors import FoldckptError
-from foldckpt.files import parse_json
-
-if TYPE_CHECKING:
-    import torch
+from foldckpt.io.files import parse_json
 
 # safetensors limits the JSON header to 100 MB; a real header of a 2.8T-parameter shard is far below.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -46,7 +41,7 @@ DTYPE_BITS: dict[str, int] = {
     "I64": 64, "U64": 64, "F64": 64, "C64": 64,
 }  # fmt: skip
 
-# safetensors dtype -> the name of the torch dtype that reads it (``TORCH_DTYPES`` maps to the dtypes).
+# safetensors dtype -> the name of the torch dtype that reads it (:data:`foldckpt.tensors.TORCH_DTYPES`).
 TORCH_DTYPE_NAMES: dict[str, str] = {
     "BF16": "bfloat16",
     "F16": "float16",
@@ -59,24 +54,6 @@ TORCH_DTYPE_NAMES: dict[str, str] = {
     "I32": "int32",
     "I64": "int64",
 }
-
-
-@functools.cache
-def _torch_dtype_maps() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
-    import torch
-
-    to_torch = {name: getattr(torch, attr) for name, attr in TORCH_DTYPE_NAMES.items()}
-    return to_torch, {dtype: name for name, dtype in to_torch.items()}
-
-
-def __getattr__(name: str) -> Any:
-    """``TORCH_DTYPES`` (safetensors name -> torch dtype) and ``SAFETENSORS_DTYPES`` (the
-    reverse), built on first access so that importing this module does not import torch."""
-    if name == "TORCH_DTYPES":
-        return _torch_dtype_maps()[0]
-    if name == "SAFETENSORS_DTYPES":
-        return _torch_dtype_maps()[1]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -221,21 +198,6 @@ def read_tensor_bytes(path: Path, info: TensorInfo, start: int = 0, stop: int | 
     return buffer
 
 
-def read_tensor(path: Path, info: TensorInfo) -> torch.Tensor:
-    """Load one tensor (only its bytes) as a CPU torch tensor of its stored dtype."""
-    import torch
-
-    if info.dtype not in TORCH_DTYPE_NAMES:
-        raise FoldckptError.at(
-            path, f"tensor '{info.name}' has dtype {info.dtype}, which foldckpt cannot read", info.name
-        )
-    dtype = _torch_dtype_maps()[0][info.dtype]
-    data = read_tensor_bytes(path, info)
-    if not data:
-        return torch.empty(info.shape, dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype).reshape(info.shape)
-
-
 @dataclass(frozen=True)
 class TensorSpec:
     """A tensor to be written: known before its data exists, so headers can be written first."""
@@ -274,16 +236,3 @@ def encode_header(specs: list[TensorSpec], metadata: dict[str, str], align: int 
 
 def file_size_for(specs: list[TensorSpec], metadata: dict[str, str], align: int = _HEADER_ALIGN) -> int:
     return len(encode_header(specs, metadata, align)) + sum(spec.nbytes for spec in specs)
-
-
-def tensor_to_bytes(tensor: torch.Tensor) -> memoryview:
-    """The little-endian bytes of a contiguous CPU tensor, without copying (and without numpy,
-    which foldckpt does not depend on: a ctypes array over the tensor's memory, which keeps the
-    tensor alive for as long as the view lives)."""
-    tensor = tensor.detach().contiguous().cpu()
-    nbytes = tensor.numel() * tensor.element_size()
-    if not nbytes:
-        return memoryview(b"")
-    array = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
-    array._owner = tensor  # type: ignore[attr-defined]
-    return memoryview(array).cast("B")

@@ -18,8 +18,8 @@ from typing import Any
 
 from foldckpt import __version__
 from foldckpt.errors import FoldckptError
-from foldckpt.files import atomic_write_json, parse_json
-from foldckpt.manifest import FORMAT_VERSION
+from foldckpt.io.files import atomic_write_json, parse_json
+from foldckpt.format.manifest import FORMAT_VERSION
 
 JOURNAL_NAME = ".foldckpt-journal.json"
 
@@ -59,7 +59,7 @@ class Journal:
     shards: dict[str, ShardProgress] = field(default_factory=dict)
     source_hashes: dict[str, dict[str, Any]] = field(default_factory=dict)
     # name -> {"out": fingerprint of OUT_DIR/name, "src": of MODEL_DIR/name} when it was placed
-    # (sidecars: when finished); see foldckpt.files.fingerprint.
+    # (sidecars: when finished); see foldckpt.io.files.fingerprint.
     fingerprints: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Held by whoever changes and saves the journal while other threads may too (hashing passes,
     # the sidecar writer); reentrant, so a holder can call save().

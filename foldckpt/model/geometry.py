@@ -25,7 +25,7 @@ from typing import Any
 
 from foldckpt.defaults import TP_CANDIDATES
 from foldckpt.errors import FoldckptError
-from foldckpt.files import read_json_file
+from foldckpt.io.files import read_json_file
 
 CONFIG_NAME = "config.json"
 _MAX_CONFIG_BYTES = 16 * 1024 * 1024

@@ -14,7 +14,7 @@ the sha256 of the ``foldckpt.json`` file (``verify`` and ``inspect`` print it, `
 the same), and ``read_manifest(expect_sha256=...)`` refuses any other.
 
 Format 4 (this one) records one BLAKE3 digest per head block of each fold and of each source tensor
-a fold was computed from (tensor bytes; :mod:`foldckpt.hashing` says why), and a sha256 per file:
+a fold was computed from (tensor bytes; :mod:`foldckpt.io.hashing` says why), and a sha256 per file:
 per source file of the whole file, per sidecar of its header. The header and the head blocks tile a
 sidecar, so every sidecar byte is covered by exactly one digest and convert hashes each fold byte
 once. Format 3 had sha256 where format 4 has BLAKE3; format 2 also kept a whole-file sha256 of each
@@ -35,10 +35,10 @@ from typing import Any
 from foldckpt import __version__
 from foldckpt.defaults import SCALED_FOLD_DTYPES
 from foldckpt.errors import FoldckptError, ManifestError
-from foldckpt.files import atomic_output, parse_json
-from foldckpt.geometry import Geometry
-from foldckpt.hashing import LEAF_RULE, RANK_RULE, TENSOR_DIGEST_RULE
-from foldckpt.safetensors_format import tensor_nbytes
+from foldckpt.io.files import atomic_output, parse_json
+from foldckpt.model.geometry import Geometry
+from foldckpt.io.hashing import LEAF_RULE, RANK_RULE, TENSOR_DIGEST_RULE
+from foldckpt.io.safetensors_format import tensor_nbytes
 
 MANIFEST_NAME = "foldckpt.json"
 FORMAT_NAME = "foldckpt"

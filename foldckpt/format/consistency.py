@@ -30,11 +30,11 @@ from typing import Any
 
 from foldckpt.defaults import FOLD_DTYPE_NAMES, FOLD_SCALE_DTYPE, SCALED_FOLD_DTYPES, SIDECAR_PREFIX
 from foldckpt.errors import FoldckptError
-from foldckpt.geometry import CONFIG_NAME, read_geometry
-from foldckpt.files import os_error
-from foldckpt.hashing import HashJob, RangeCheck, hash_job, tensor_digest
-from foldckpt.manifest import MANIFEST_NAME, FoldTensor, Manifest, SidecarRecord, SourceTensor
-from foldckpt.safetensors_format import SafetensorsHeader, TensorInfo, read_header, read_tensor_bytes
+from foldckpt.model.geometry import CONFIG_NAME, read_geometry
+from foldckpt.io.files import os_error
+from foldckpt.io.hashing import HashJob, RangeCheck, hash_job, tensor_digest
+from foldckpt.format.manifest import MANIFEST_NAME, FoldTensor, Manifest, SidecarRecord, SourceTensor
+from foldckpt.io.safetensors_format import SafetensorsHeader, TensorInfo, read_header, read_tensor_bytes
 
 _HEX = frozenset(string.hexdigits.lower())
 

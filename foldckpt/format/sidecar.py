@@ -5,8 +5,8 @@ fold's bytes as the fold makes them (head chunk by head chunk), fsynced after ev
 journal records the byte offset reached, so a resumed run truncates the temporary file back to the
 last durable layer and appends from there. Only a complete shard is renamed to its final name.
 Writes bypass the page cache where the filesystem allows
-(:class:`foldckpt.direct_io.DurableAppender`). The writer hashes the header only: the fold bytes
-are hashed once, head by head, where they are made (:func:`foldckpt.hashing.head_digests`), and
+(:class:`foldckpt.io.direct_io.DurableAppender`). The writer hashes the header only: the fold bytes
+are hashed once, head by head, where they are made (:func:`foldckpt.io.hashing.head_digests`), and
 those digests with the header's cover the whole file (manifest format 3).
 """
 
@@ -18,10 +18,10 @@ import os
 from pathlib import Path
 
 from foldckpt.defaults import SIDECAR_HEADER_ALIGN
-from foldckpt.direct_io import DiskPriority, DurableAppender
-from foldckpt.files import fsync_dir, os_error, tmp_path_for
-from foldckpt.manifest import SidecarRecord
-from foldckpt.safetensors_format import TensorInfo, TensorSpec, encode_header
+from foldckpt.io.direct_io import DiskPriority, DurableAppender
+from foldckpt.io.files import fsync_dir, os_error, tmp_path_for
+from foldckpt.format.manifest import SidecarRecord
+from foldckpt.io.safetensors_format import TensorInfo, TensorSpec, encode_header
 
 
 class ShardWriter:

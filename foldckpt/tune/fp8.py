@@ -1,4 +1,4 @@
-"""Tune the fp8 fold GEMM (``python -m foldckpt.runtime.kernels.tune --fp8``): its [[fp8_shape]] table entries.
+"""Tune the fp8 fold GEMM (``python -m foldckpt.tune --fp8``): its [[fp8_shape]] table entries.
 
 The fp8 fold is weight-only: W float8_e4m3fn [N, K] and an fp32 scale per row, x bf16 unquantized,
 ``y = (x · Wᵀ) * scale`` (``triton_gemm``: e4m3 -> fp16/bf16 in registers, the scale in the
@@ -43,7 +43,7 @@ from foldckpt.runtime.kernels.device import gpu_key
 from foldckpt.runtime.kernels.dispatch import _torch_gemm, fold_gemm, warmup_fold_gemm
 from foldckpt.runtime.kernels.reference import unfolded_query
 from foldckpt.runtime.kernels.timing import measure_copy_bandwidth, relative_error, settle_clocks, time_graphs_us
-from foldckpt.runtime.kernels.tune import (
+from foldckpt.tune.bf16 import (
     BUCKETS,
     GRID_M,
     GRID_ROUNDS,

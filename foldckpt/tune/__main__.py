@@ -1,0 +1,7 @@
+"""``python -m foldckpt.tune``: measure the fold GEMM on this GPU and write its tuning table."""
+
+import sys
+
+from foldckpt.tune.bf16 import main
+
+sys.exit(main())
