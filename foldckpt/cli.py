@@ -16,6 +16,7 @@ and ``verify`` up to its content level never import torch.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -26,8 +27,9 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -41,9 +43,9 @@ from foldckpt.errors import (
     Interrupted,
 )
 from foldckpt import signals
-from foldckpt.io.files import LINK_MODES, json_safe
+from foldckpt.io.files import json_safe
 from foldckpt.model.geometry import describe_layers
-from foldckpt.defaults import DEFAULT_FOLD_DEVICE, DEFAULT_FOLD_DTYPE, DEFAULT_MAX_SHARD_SIZE, FOLD_DEVICES, FOLD_DTYPE_NAMES
+from foldckpt.options import COUNT, INDEX, SIZE, TP_SIZES, ConvertOptions, VerifyOptions
 from foldckpt.progress import human_bytes
 
 if TYPE_CHECKING:
@@ -58,7 +60,6 @@ __all__ = ["cli", "human_bytes", "main"]
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 _TP_HINT = "give positive integers such as --tp 8 or --tp 1,2,4,8"
-LEVELS = ("manifest", "structure", "content", "deep")  # as foldckpt.verify.LEVELS (not imported: start-up)
 
 # Set by ``convert`` once it starts writing OUT_DIR: an interruption from then on is resumable.
 _resumable = False
@@ -91,6 +92,48 @@ def _parse_tp(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]
                 raise click.BadParameter(f"{text} is not a tensor-parallel size; {_TP_HINT}")
             sizes.append(int(text))
     return tuple(sizes) or None
+
+
+_Command = TypeVar("_Command", bound=Callable[..., Any])
+
+
+def _click_option(field: dataclasses.Field[Any]) -> Callable[[_Command], _Command]:
+    """The click option of one :func:`foldckpt.options.flag` field."""
+    meta = field.metadata
+    name = meta["name"] or "--" + field.name.replace("_", "-")
+    kwargs: dict[str, Any] = {"help": meta["help"], "metavar": meta["metavar"], "show_default": meta["show_default"]}
+    if isinstance(field.default, bool):
+        return click.option(name, field.name, is_flag=True, **kwargs)
+    if meta["kind"] == TP_SIZES:
+        return click.option(name, field.name, multiple=True, callback=_parse_tp, **kwargs)
+    if meta["choices"] is not None:
+        kwargs["type"] = click.Choice(list(meta["choices"]))
+    elif meta["kind"] is not None:
+        kwargs["type"] = {COUNT: click.IntRange(min=1), INDEX: click.IntRange(min=0), SIZE: ByteSize()}[meta["kind"]]
+    return click.option(name, field.name, default=field.default, **kwargs)
+
+
+def options_of(options_class: type) -> Callable[[_Command], _Command]:
+    """Every flag of ``options_class`` (:mod:`foldckpt.options`) as click options, in field order."""
+    flags = [field for field in dataclasses.fields(options_class) if "help" in field.metadata]
+
+    def decorate(command: _Command) -> _Command:
+        for field in reversed(flags):
+            command = _click_option(field)(command)
+        return command
+
+    return decorate
+
+
+def options_from(options_class: type, params: dict[str, Any], **extra: Any) -> Any:
+    """``options_class`` built from a command's parsed flags (``params``) and ``extra`` fields."""
+    names = {field.name for field in dataclasses.fields(options_class)}
+    return options_class(**{name: value for name, value in params.items() if name in names}, **extra)
+
+
+# Shared by every command that prints a result.
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress reports.")
 
 
 def _emit_json(data: Any) -> None:
@@ -195,30 +238,13 @@ def _print_convert(result: ConvertResult) -> None:
 @click.argument("model_dir", metavar="MODEL_DIR")
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @revision_option
-@click.option("--fold-dtype", type=click.Choice(list(FOLD_DTYPE_NAMES)), default=DEFAULT_FOLD_DTYPE, show_default=True,
-              help="Dtype of the stored fold (accumulation is always fp32, rounded once); fp8: OCP e4m3 "
-                   "with an fp32 scale per row, half the bytes of bfloat16.")  # fmt: skip
-@click.option("--max-shard-size", type=ByteSize(), default=DEFAULT_MAX_SHARD_SIZE, show_default="5GiB",
-              help="Cap on each sidecar shard's size (a layer's fold is never split: a shard holds at least one).")  # fmt: skip
-@click.option("--tp", "tp_sizes", multiple=True, callback=_parse_tp, metavar="N[,N...]",
-              help="Tensor-parallel sizes to show the per-rank GPU memory of (default: 1,2,4,8,16 that divide H). "
-                   "Does not shape the output: every TP size dividing H serves and verifies (per-head hashes).")  # fmt: skip
-@click.option("--link", type=click.Choice(LINK_MODES), default="auto", show_default=True,
-              help="How source files appear in OUT_DIR: hard link (auto: when on the same filesystem), copy, symlink.")  # fmt: skip
+@options_of(ConvertOptions)
 @click.option("--dry-run", is_flag=True, help="Validate everything from headers and print the plan; write nothing.")
-@click.option("--allow-nonfinite", is_flag=True, help="Fold even if q_b_proj/kv_b_proj contain NaN or Inf.")
-@click.option("--restart", is_flag=True, help="Discard an unfinished (or different) previous run in OUT_DIR.")
-@click.option("--overwrite", is_flag=True, help="Allow a non-empty OUT_DIR that is not a foldckpt output.")
-@click.option("--device", type=click.Choice(FOLD_DEVICES), default=DEFAULT_FOLD_DEVICE, show_default=True,
-              help="Where the fold is computed (auto: a GPU when torch sees one); fp32 either way, rounded once.")  # fmt: skip
-@click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Threads hashing the sources (default: two per core, at most 32).")  # fmt: skip
-@click.option("-q", "--quiet", is_flag=True, help="No progress reports.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def convert_command(model_dir: str, out_dir: Path, revision: str | None, fold_dtype: str, max_shard_size: int,
-                    tp_sizes: tuple[int, ...] | None, link: str, dry_run: bool, allow_nonfinite: bool,
-                    restart: bool, overwrite: bool, device: str, workers: int | None, quiet: bool,
-                    as_json: bool) -> None:  # fmt: skip
+@quiet_option
+@json_option
+def convert_command(
+    model_dir: str, out_dir: Path, revision: str | None, dry_run: bool, quiet: bool, as_json: bool, **flags: Any
+) -> None:
     """Fold every MLA layer of MODEL_DIR into OUT_DIR (resumable; rerun to continue a killed run).
 
     MODEL_DIR is a model directory, or a Hugging Face model id (ORG/NAME, with --revision)
@@ -229,7 +255,7 @@ def convert_command(model_dir: str, out_dir: Path, revision: str | None, fold_dt
     if dry_run:
         from foldckpt.convert.plan import plan_conversion
 
-        plan = plan_conversion(source.path, fold_dtype, max_shard_size, tp_sizes)
+        plan = plan_conversion(source.path, flags["fold_dtype"], flags["max_shard_size"], flags["tp_sizes"])
         if as_json:
             _emit_json({
                 "model": str(source.path),
@@ -242,13 +268,9 @@ def convert_command(model_dir: str, out_dir: Path, revision: str | None, fold_dt
         else:
             _print_plan(plan, source)
         return
-    from foldckpt.convert import ConvertOptions, convert
+    from foldckpt.convert import convert
 
-    options = ConvertOptions(
-        fold_dtype=fold_dtype, max_shard_size=max_shard_size, tp_sizes=tp_sizes, link=link,
-        allow_nonfinite=allow_nonfinite, restart=restart, overwrite=overwrite,
-        progress=not quiet and not as_json, workers=workers, device=device,
-    )  # fmt: skip
+    options = options_from(ConvertOptions, flags, progress=not quiet and not as_json)
     _resumable = True
     result = convert(source, out_dir, options)
     _resumable = False
@@ -278,42 +300,31 @@ class _VerifyPrinter:
 
 @cli.command(name="verify")
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--level", type=click.Choice(LEVELS), default="content",
-              show_default=True, help="Stop after this level (each level includes the cheaper ones).")  # fmt: skip
+@options_of(VerifyOptions)
 @click.option("--deep", is_flag=True, help="Same as --level deep: recompute folds from the source tensors.")
-@click.option("--sample", type=click.IntRange(min=1), default=None, help="With --deep: recompute only K layers.")
-@click.option("--rank", type=click.IntRange(min=0), default=None, help="Hash only this rank's slice of each fold.")
-@click.option("--tp", type=click.IntRange(min=1), default=None,
-              help="Tensor-parallel size for --rank: any size that divides the attention heads.")
-@click.option("--expect-manifest-sha256", "expect_sha256", default=None, metavar="HEX",
-              help="Fail unless foldckpt.json has this sha256 (as verify, inspect and sha256sum print it).")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Hashing threads (default: one per core when the files are cached, else two per core).")
-@click.option("-q", "--quiet", is_flag=True, help="No progress reports.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@quiet_option
+@json_option
 @click.pass_context
-def verify_command(ctx: click.Context, out_dir: Path, level: str, deep: bool, sample: int | None, rank: int | None,
-                   tp: int | None, expect_sha256: str | None, workers: int | None, quiet: bool, as_json: bool) -> None:  # fmt: skip
+def verify_command(ctx: click.Context, out_dir: Path, deep: bool, quiet: bool, as_json: bool, **flags: Any) -> None:
     """Check OUT_DIR against its manifest: files, structure, digests, and (--deep) the math.
 
     First the manifest proves itself unedited (its own digest); its file sha256 is printed: pin
     it with --expect-manifest-sha256 (or FOLDCKPT_EXPECT_MANIFEST_SHA256 when serving).
     """
+    expect_sha256, level = flags["expect_manifest_sha256"], flags["level"]
     if expect_sha256 is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", expect_sha256.strip()):
         raise click.BadParameter(f"{expect_sha256!r} is not a sha256 (64 hex digits)", param_hint="'--expect-manifest-sha256'")
-    if (rank is None) != (tp is None):
+    if (flags["rank"] is None) != (flags["tp"] is None):
         raise click.UsageError("--rank and --tp go together (--rank R --tp N)")
-    if sample is not None and not (deep or level == "deep"):
+    if flags["sample"] is not None and not (deep or level == "deep"):
         raise click.UsageError("--sample applies to --deep")
     if deep and level != "deep" and ctx.get_parameter_source("level") is click.core.ParameterSource.COMMANDLINE:
         raise click.UsageError(f"--deep is --level deep: it contradicts --level {level}")
-    from foldckpt.verify import VerifyOptions, verify
+    from foldckpt.verify import verify
 
     printer = None if as_json else _VerifyPrinter()
-    options = VerifyOptions(
-        level="deep" if deep else level, sample=sample, rank=rank, tp=tp, workers=workers,
-        progress=not quiet and not as_json, expect_manifest_sha256=expect_sha256, on_level=printer,
-    )  # fmt: skip
+    flags["level"] = "deep" if deep else level
+    options = options_from(VerifyOptions, flags, progress=not quiet and not as_json, on_level=printer)
     report = verify(out_dir, options)
     _emit_json(report.to_dict()) if printer is None else printer.finish(report)
     ctx.exit(EXIT_OK if report.ok else EXIT_VERIFY_FAILED)
@@ -353,7 +364,7 @@ def _print_inspection(info: Inspection) -> None:
 @cli.command(name="inspect")
 @click.argument("directory", metavar="DIR")
 @revision_option
-@click.option("--json", "as_json", is_flag=True, help="Print the inspection as JSON.")
+@json_option
 def inspect_command(directory: str, revision: str | None, as_json: bool) -> None:
     """Show the MLA geometry of a model or converted directory, its fold status and overhead.
 

@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +61,7 @@ from foldckpt.io.hashing import (
     head_digests,
 )
 from foldckpt.format.manifest import MANIFEST_NAME, Manifest, SourceTensor, file_sha256, read_manifest
+from foldckpt.options import LEVELS, VerifyOptions
 from foldckpt.progress import progress_bar
 from foldckpt.io.safetensors_format import read_header, read_tensor_bytes
 from foldckpt.signals import import_torch
@@ -69,23 +69,7 @@ from foldckpt.signals import import_torch
 # torch (and the fold math) is imported by the deep level only: the cheaper levels read headers
 # and hash bytes, and start in a fraction of the time torch takes to import.
 
-LEVELS = ("manifest", "structure", "content", "deep")
 __all__ = ["LEVELS", "LevelResult", "Problem", "VerifyOptions", "VerifyReport", "default_workers", "verify"]
-
-
-@dataclass(frozen=True)
-class VerifyOptions:
-    level: str = "content"
-    sample: int | None = None
-    rank: int | None = None
-    tp: int | None = None
-    workers: int | None = None
-    progress: bool = True
-    # Refuse the directory unless foldckpt.json has exactly this sha256 (what `sha256sum` prints).
-    expect_manifest_sha256: str | None = None
-    # Called with the report so far as each level ends, so that a caller shows each result when
-    # it is known: a `verify --deep` stopped by Ctrl-C still shows the levels that passed.
-    on_level: Callable[[VerifyReport], None] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,6 @@ from foldckpt.model.checkpoint import INDEX_NAME, stays_inside
 from foldckpt.format.consistency import heads_intact, sidecar_intact
 from foldckpt.defaults import (
     ACCUMULATION_DTYPE,
-    DEFAULT_FOLD_DEVICE,
-    DEFAULT_FOLD_DTYPE,
     nan_last,
     require_fold_device,
     resolve_fold_device,
@@ -74,6 +72,7 @@ from foldckpt.convert.plan import (
     ShardPlan,
     plan_conversion,
 )
+from foldckpt.options import ConvertOptions
 from foldckpt.progress import progress_bar
 from foldckpt.format.sidecar import ShardWriter
 from foldckpt.signals import import_torch
@@ -83,21 +82,6 @@ if TYPE_CHECKING:
     from foldckpt.convert.layer import Fetch, FoldRing
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "ConvertOptions", "ConvertResult", "LayerOutcome", "convert"]
-
-
-@dataclass(frozen=True)
-class ConvertOptions:
-    fold_dtype: str = DEFAULT_FOLD_DTYPE
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
-    tp_sizes: tuple[int, ...] | None = None
-    link: str = "auto"
-    allow_nonfinite: bool = False
-    restart: bool = False
-    overwrite: bool = False
-    progress: bool = True
-    workers: int | None = None
-    # Where the fold is computed: "cpu", "cuda" or "auto" (a GPU when torch sees one).
-    device: str = DEFAULT_FOLD_DEVICE
 
 
 @dataclass(frozen=True)

@@ -408,10 +408,28 @@ def test_convert_and_verify_json_need_no_progress_flag(make_model: Callable[...,
     assert json.loads(run.stdout)["folded_layers"] == [0, 1]
 
 
-def test_the_cli_offers_the_verify_levels_and_fold_dtypes_the_library_has() -> None:
-    """The CLI keeps its own copies (importing the library's would import torch at start-up)."""
+def test_the_cli_flags_are_generated_from_the_library_options() -> None:
+    """Each flag field of ConvertOptions / VerifyOptions is a click option with the field's help,
+    default and choices, and a command given no flags builds exactly the library's default options
+    (a default or a choice written twice would drift apart)."""
+    import dataclasses
+
     from foldckpt import cli, verify
     from foldckpt.convert.plan import FOLD_DTYPES
+    from foldckpt.options import ConvertOptions, VerifyOptions
 
-    assert cli.LEVELS == verify.LEVELS
-    assert tuple(cli.FOLD_DTYPE_NAMES) == tuple(FOLD_DTYPES)
+    for name, options, args in (("convert", ConvertOptions, ["model", "out"]), ("verify", VerifyOptions, ["out"])):
+        command = cli.cli.commands[name]
+        params = {param.name: param for param in command.params}
+        for field in dataclasses.fields(options):
+            if "help" not in field.metadata:
+                assert field.name not in params
+                continue
+            param = params[field.name]
+            assert param.help == field.metadata["help"]
+            if field.metadata["choices"] is not None:
+                assert tuple(param.type.choices) == field.metadata["choices"]
+        parsed = command.make_context(name, list(args)).params
+        assert cli.options_from(options, parsed, progress=True) == options()
+    assert ConvertOptions.__dataclass_fields__["fold_dtype"].metadata["choices"] == tuple(FOLD_DTYPES)
+    assert verify.LEVELS == VerifyOptions.__dataclass_fields__["level"].metadata["choices"]
