@@ -19,6 +19,9 @@ FOLD_DTYPE_NAMES: dict[str, str] = {"bfloat16": "BF16", "float16": "F16", "float
 DEFAULT_FOLD_DTYPE = "bfloat16"
 SCALED_FOLD_DTYPES = ("fp8",)
 FOLD_SCALE_DTYPE = "F32"
+# What the serving log line says after "computed in" for an fp8 fold served as e4m3 (per-row fp32
+# scale, the fp8 fold GEMM); one dequantized at load (CPU, older GPUs) says "bfloat16" there.
+FP8_KERNEL_LOG = "float8_e4m3fn by the fp8 fold kernel"
 _TORCH_DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "fp8": "float8_e4m3fn"}
 # The fold is always accumulated in fp32 and rounded once to the fold dtype.
 ACCUMULATION_DTYPE = "float32"

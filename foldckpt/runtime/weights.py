@@ -26,6 +26,7 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
+from foldckpt.defaults import FP8_KERNEL_LOG
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import dequantize_fp8_rows
 from foldckpt.model.geometry import MLALayer, describe_layers
@@ -47,7 +48,7 @@ class FoldBuild:
     loaded: list[MLALayer] = field(default_factory=list)
     unfolded_logged: bool = False
 
-    def layer_loaded(self, layer: MLALayer, max_tokens: int, dtype: torch.dtype, decode_rope: str) -> None:
+    def layer_loaded(self, layer: MLALayer, max_tokens: int, computed: str, decode_rope: str) -> None:
         self.loaded.append(layer)
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         recorder = stats.open_worker_stats(tp_rank, tp_size)
@@ -58,8 +59,7 @@ class FoldBuild:
                 "foldckpt: folded %d MLA layers of %s (fold %s, computed in %s); decode batches of "
                 "at most %d tokens use q_fold (%s), larger ones and all prefill rows use q_b_proj "
                 "(tp rank %d of %d); layers %s",
-                self.built, self.fold_set.model_dir, self.fold_set.manifest.fold_dtype,
-                str(dtype).removeprefix("torch."), max_tokens, decode_rope, tp_rank, tp_size,
+                self.built, self.fold_set.model_dir, self.fold_set.manifest.fold_dtype, computed, max_tokens, decode_rope, tp_rank, tp_size,
                 describe_layers(sorted(self.loaded, key=lambda layer: layer.index)),
             )  # fmt: skip
 
@@ -120,7 +120,7 @@ class SidecarFoldMethod(UnquantizedLinearMethod):
         super().process_weights_after_loading(layer)
         if device.type == "cuda":
             warmup_fold_gemm(layer.weight, self.max_tokens)
-        self.build.layer_loaded(self.mla_layer, self.max_tokens, dtype, self.on_loaded())
+        self.build.layer_loaded(self.mla_layer, self.max_tokens, str(dtype).removeprefix("torch."), self.on_loaded())
 
     def _load_fp8(self, layer: torch.nn.Module, rows: torch.Tensor, scale: torch.Tensor) -> None:
         """Keep an fp8 fold as e4m3 plus its per-row scale (``weight_scale``) on the GPU: half the
@@ -130,4 +130,6 @@ class SidecarFoldMethod(UnquantizedLinearMethod):
         layer.weight = torch.nn.Parameter(rows.to(device), requires_grad=False)
         layer.weight_scale = torch.nn.Parameter(scale.to(device), requires_grad=False)
         warmup_fold_gemm(layer.weight, self.max_tokens, scale=layer.weight_scale, x_dtype=dtype)
-        self.build.layer_loaded(self.mla_layer, self.max_tokens, dtype, self.on_loaded())
+        # The log says which kernel serves it: an operator must be able to tell e4m3 from a fold
+        # dequantized at load (CPU, older GPUs), whose line says "computed in bfloat16".
+        self.build.layer_loaded(self.mla_layer, self.max_tokens, FP8_KERNEL_LOG, self.on_loaded())
