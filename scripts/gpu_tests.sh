@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU suite on the GPU machine, in one device call (at most 10 minutes) or in named parts:
+#   source .vl/unpack.sh && bash scripts/gpu_tests.sh [all | kernels | engine | bench]...
+# kernels: tests/gpu (fold kernels, fp8, convert --device cuda); engine: tests/gpu/engine (real vLLM
+# engines, stock vs plugin, side by side); bench: scripts/bench_engine.py. "all" runs the kernel
+# tests beside the engine tests (they share the GPU; neither times anything), then the benchmark
+# with the time left. What docs/bench keeps lands in $OUT (the device returns it):
+# gpu_tests_<gpu>.txt, gpu_engine_tests_<gpu>.txt, engine_<gpu>.json, plus the engine logs (tgz).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_tests_out}
+BUDGET_S=${GPU_TESTS_BUDGET_S:-520}  # the whole run, unpacking excluded
+ENGINE_S=${GPU_ENGINE_TESTS_S:-320}
+mkdir -p "$OUT"
+GPU=$(python3 -c "import torch; n = torch.cuda.get_device_name(0).lower(); print(next((f'nvidia_{k}' for k in ('h200', 'h100') if k in n), n.replace(' ', '_')))")
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || cat GPU_COMMIT 2>/dev/null || echo unknown)
+HEADER="$(python3 -c "import torch; print(torch.cuda.get_device_name(0), '| torch', torch.__version__)") | vLLM $(python3 -c "from importlib.metadata import version; print(version('vllm'))" 2>/dev/null) | commit $COMMIT | $(date -u +%FT%TZ)"
+parts=${*:-all}
+has() { [[ " $parts " == *" $1 "* || " $parts " == *" all "* ]]; }
+status=0
+
+if has kernels; then
+  { echo "# $HEADER"; timeout 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu --ignore=tests/gpu/engine 2>&1; } \
+    > "$OUT/gpu_tests_$GPU.txt" &
+  kernels_pid=$!
+fi
+if has engine; then
+  rm -rf /tmp/gpu-engine-tests
+  { echo "# $HEADER"; timeout "$ENGINE_S" python3 -m pytest -m gpu -rA -p no:cacheprovider --basetemp=/tmp/gpu-engine-tests \
+      tests/gpu/engine 2>&1; } | tee "$OUT/gpu_engine_tests_$GPU.txt" | grep -E "^(PASSED|FAILED|XFAIL|ERROR|SKIPPED)|passed|failed"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  (cd /tmp/gpu-engine-tests && find . -name "*.log" -o -name matrix.json | tar czf "$OUT/engine_logs.tgz" -T -) 2>/dev/null
+fi
+if [ -n "${kernels_pid:-}" ]; then
+  wait "$kernels_pid" || status=1
+  tail -3 "$OUT/gpu_tests_$GPU.txt"
+fi
+if has bench; then
+  left=$((BUDGET_S - SECONDS))
+  echo "bench: ${left} s left"
+  mkdir -p /tmp/bench-logs
+  timeout "$left" python3 scripts/bench_engine.py --out "$OUT/engine_$GPU.json" --log-dir /tmp/bench-logs ${BENCH_ARGS:-} || status=1
+  tar czf "$OUT/bench_logs.tgz" -C /tmp/bench-logs . 2>/dev/null
+fi
+echo "gpu_tests: $GPU, commit $COMMIT, parts: $parts, ${SECONDS} s, status $status"
+exit $status
