@@ -13,7 +13,7 @@ BUDGET_S=${GPU_TESTS_BUDGET_S:-520}  # the whole run, unpacking excluded
 ENGINE_S=${GPU_ENGINE_TESTS_S:-320}
 mkdir -p "$OUT"
 GPU=$(python3 -c "import torch; n = torch.cuda.get_device_name(0).lower(); print(next((f'nvidia_{k}' for k in ('h200', 'h100') if k in n), n.replace(' ', '_')))")
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || cat GPU_COMMIT 2>/dev/null || echo unknown)
+COMMIT=$(cat GPU_COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 HEADER="$(python3 -c "import torch; print(torch.cuda.get_device_name(0), '| torch', torch.__version__)") | vLLM $(python3 -c "from importlib.metadata import version; print(version('vllm'))" 2>/dev/null) | commit $COMMIT | $(date -u +%FT%TZ)"
 parts=${*:-all}
 has() { [[ " $parts " == *" $1 "* || " $parts " == *" all "* ]]; }
