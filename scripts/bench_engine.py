@@ -55,7 +55,7 @@ VARIANTS = ("stock", "bf16", "fp8")
 
 
 def _dims(family: str) -> Any:
-    from foldckpt.synthetic import FULL_K3_DIMS
+    from foldckpt.model.synthetic import FULL_K3_DIMS
 
     if family == "k3":
         return replace(FULL_K3_DIMS, heads=12, experts=4, vocab=320)
@@ -65,7 +65,7 @@ def _dims(family: str) -> Any:
 def build(family: str, root: Path) -> dict[str, Path]:
     """The checkpoint and its bf16 and fp8 conversions."""
     from foldckpt.convert import ConvertOptions, convert
-    from foldckpt.synthetic import make_checkpoint
+    from foldckpt.model.synthetic import make_checkpoint
 
     if family == "k3":
         source = make_checkpoint(root / "k3", "kimi_k3", layers=LAYERS, mtp_layers=0, all_mla=True,

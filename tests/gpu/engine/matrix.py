@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from foldckpt.convert import ConvertOptions, convert
-from foldckpt.manifest import read_manifest
-from foldckpt.synthetic import FA3_TINY_DIMS, make_checkpoint
+from foldckpt.format.manifest import read_manifest
+from foldckpt.model.synthetic import FA3_TINY_DIMS, make_checkpoint
 from tests.e2e.harness import MAX_MODEL_LEN, PROMPTS, engine_env, run_job
 from tests.e2e.test_openai_server import _free_port, _post
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from foldckpt.manifest import read_manifest
+from foldckpt.format.manifest import read_manifest
 from foldckpt.defaults import FP8_KERNEL_LOG
 from tests.gpu.engine.matrix import JOBS, LONG_PROMPTS, SERVER, SERVER_REQUESTS, SHORT_PROMPTS, JobResult, Matrix, model
 
