@@ -82,7 +82,9 @@ def run_job(
     (workdir / f"{name}.out.json").unlink(missing_ok=True)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env}
     if spec.get("kimi_k3_cpu"):
-        env.update(K3_FIXTURES_ENV)
+        # k3_site goes first, before the caller's PYTHONPATH (the worktree under test): replacing it
+        # would let the editable install's foldckpt (another checkout) serve the Kimi-K3 engines.
+        env.update(K3_FIXTURES_ENV, PYTHONPATH=os.pathsep.join(filter(None, (str(K3_SITE), env.get("PYTHONPATH")))))
     return subprocess.run(
         [sys.executable, str(ENGINE_JOB), str(spec_path), str(workdir / f"{name}.out.json")],
         env=env, capture_output=True, text=True, timeout=timeout, check=False,
