@@ -79,6 +79,32 @@ def _source(out_dir: Path, sources: dict, prefix: str, proj: str) -> torch.Tenso
     return weight.double() * full
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_tensor_parallel_rank_reads_the_scales_of_its_own_heads(converted: Converted, tp: int) -> None:
+    """Serving reads a rank's scales by head range; every other test reads them at TP 1, where a
+    rank reading its neighbour's rows is the same read. Here each rank of 2 and 4 must get exactly
+    the fp64 ``amax/448`` of its own heads (H/tp consecutive heads from rank*H/tp), and the e4m3
+    rows beside them, as an independent reader (safetensors) slices them from the sidecar."""
+    _, out_dir = converted("kimi_k3", FP8)
+    fold_set = open_fold_set(out_dir)
+    g = fold_set.geometry
+    per_rank = g.num_heads // tp
+    for layer in g.layers:
+        record = fold_set.manifest.tensors[layer.q_fold]
+        sources = {source.name: source for source in record.sources}
+        q_b, kv_b = (_source(out_dir, sources, record.layer_prefix, proj) for proj in ("q_b_proj", "kv_b_proj"))
+        with safe_open(out_dir / record.file, "pt") as sidecar:
+            values = sidecar.get_tensor(record.name)
+        for rank in range(tp):
+            heads = range(rank * per_rank, (rank + 1) * per_rank)
+            want = torch.cat([fp64_fold_of_head(q_b, kv_b, g, h).abs().amax(dim=1) / 448 for h in heads])
+            scale = fold_set.read_scale_rows(layer, tp, rank)
+            assert scale is not None and scale.dtype == torch.float32 and scale.shape == want.shape
+            assert torch.allclose(scale.double(), want, rtol=1e-5, atol=0), (layer.prefix, tp, rank)
+            rows = slice(heads.start * g.fold_head_dim, heads.stop * g.fold_head_dim)
+            assert torch.equal(fold_set.read_rows(layer, tp, rank).view(torch.uint8), values[rows].view(torch.uint8))
+
+
 def test_fp8_halves_the_fold_bytes_of_bf16(converted: Converted) -> None:
     _, bf16 = converted("kimi_k3")
     _, fp8 = converted("kimi_k3", FP8)
