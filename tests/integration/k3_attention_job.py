@@ -32,8 +32,8 @@ from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 
-from foldckpt.runtime.kimi_k3_nvidia import FoldedKimiK3MLA  # noqa: E402
-from foldckpt.safetensors_format import read_header  # noqa: E402
+from foldckpt.runtime.kimi_k3.nvidia import FoldedKimiK3MLA  # noqa: E402
+from foldckpt.io.safetensors_format import read_header  # noqa: E402
 
 LAYER = "language_model.model.layers.0.self_attn"  # the manifest's first MLA layer: it counts the steps
 STOCK = "stock.layers.0.self_attn"

@@ -29,8 +29,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from foldckpt.convert import ConvertOptions
-from foldckpt.geometry import Geometry
-from foldckpt.manifest import read_manifest
+from foldckpt.model.geometry import Geometry
+from foldckpt.format.manifest import read_manifest
 from tests.e2e.harness import engine_env
 from tests.integration.test_verify import Converted
 
