@@ -40,7 +40,7 @@ class Entry:
 def readme_block() -> list[str]:
     text = README.read_text()
     start = text.index("What `scripts/demo.sh` prints")
-    block = text[start:].split("```", 2)[1]
+    block = text[start:].split("```", 2)[1].partition("\n")[2]  # the text after the language tag
     return block.strip("\n").splitlines()
 
 
@@ -85,7 +85,8 @@ def normalise(lines: list[str]) -> list[str]:
 
 
 def run_demo(work: Path, entries: list[Entry]) -> list[tuple[list[str], int]]:
-    """Build the demo checkpoint in ``work`` as demo.sh does, then run each entry there."""
+    """Build the demo checkpoint in ``work`` as demo.sh does, then run each entry there: its output
+    as a terminal shows it, stdout then stderr (where an error line goes)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     subprocess.run(
         [sys.executable, str(REPO / "scripts" / "make_tiny_checkpoint.py"), "--family", "kimi_k3", MODEL],
@@ -102,7 +103,7 @@ def run_demo(work: Path, entries: list[Entry]) -> list[tuple[list[str], int]]:
         run = subprocess.run(
             [sys.executable, "-m", "foldckpt", *words[1:]], cwd=work, env=env, capture_output=True, text=True, timeout=300
         )
-        results.append((run.stdout.rstrip("\n").splitlines(), run.returncode))
+        results.append(((run.stdout + run.stderr).rstrip("\n").splitlines(), run.returncode))
     return results
 
 
