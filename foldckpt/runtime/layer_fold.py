@@ -12,7 +12,9 @@ only in how its decode rows reach the attention kernel; the rest is here, once:
   only), and the routing threshold of this device and shape is above 0 (else nothing is loaded);
 - :class:`LayerFold` is the answer: the ``q_fold`` projection (filled from the sidecar by
   :class:`~foldckpt.runtime.weights.SidecarFoldMethod`), the routing threshold, and the step
-  counters.
+  counters. It refuses a weight reload: the sidecar's fold was made from the served directory's
+  q_b_proj and kv_b_proj, and reloaded weights (an RL update, vLLM 0.34's ``VLLM_RELOAD_MODE=direct``
+  or layerwise reload) are other weights, which no sidecar on disk can be checked against.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from foldckpt.runtime.weights import FoldBuild, SidecarFoldMethod
 
 _REMEDY = "set FOLDCKPT_DISABLE=1 to serve this checkpoint unfolded"
 _build: FoldBuild | None = None
+# Kimi-K3's specialized decode (vLLM 0.33 on NVIDIA, 0.34 on ROCm too): its fused kernels read
+# q_b_proj.weight and W_UK / W_K themselves, inside FULL decode graphs the fold cannot enter.
+SPECIALIZED_DECODE = "the latency_specialized decode backend"
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,27 @@ class LayerFold:
         self.max_tokens = max_tokens
         # Only the first MLA layer counts routed tokens: every layer sees the same batch.
         self.counts_steps = counts_steps
-        self.loaded = False
+        self.loaded = False  # q_fold filled from the sidecar (its quant method's post-processing ran)
+        self.finalized = False  # the layer's own post-load hook ran
+
+    def mark_loaded(self) -> None:
+        """q_fold was filled from the sidecar; a second fill is a weight reload (refused)."""
+        self._refuse_reload(self.loaded)
+        self.loaded = True
+
+    def mark_finalized(self) -> None:
+        """The layer's post-load hook ran (vLLM 0.34 runs every module's after each load or reload,
+        layerwise reloads included, which never post-process q_fold); a second run is a reload."""
+        self._refuse_reload(self.finalized)
+        self.finalized = True
+
+    def _refuse_reload(self, again: bool) -> None:
+        if again:
+            raise FoldckptError(
+                f"layer '{self.layer.prefix}': vLLM is reloading the weights of a folded model; the sidecar's fold "
+                "belongs to the weights it was converted from and would be stale beside new ones, so foldckpt "
+                f"refuses the reload: convert the new weights and serve them, or {_REMEDY}"
+            )
 
     @property
     def weight_scale(self) -> torch.Tensor | None:
@@ -93,6 +118,13 @@ class LayerFold:
             recorder.record_capture(folded > 0)
         else:
             recorder.record_step(folded, unfolded, prefill)
+
+
+def specialized_decode_requested() -> bool:
+    """Whether the engine asks for Kimi-K3's ``decode_backend=latency_specialized`` (vLLM reads
+    ``additional_config["decode_backend"]``), which a folded Kimi-K3 layer refuses."""
+    additional = get_current_vllm_config().additional_config
+    return isinstance(additional, dict) and additional.get("decode_backend") == "latency_specialized"
 
 
 def _current_build(fold_set: FoldSet) -> FoldBuild:
@@ -148,7 +180,7 @@ def attach_fold(
     fold = LayerFold(q_fold, layer, max_tokens, counts_steps=layer == g.layers[0])
 
     def loaded() -> str:
-        fold.loaded = True
+        fold.mark_loaded()
         return on_loaded()
 
     q_fold.quant_method = SidecarFoldMethod(fold_set, layer, build, max_tokens, loaded)

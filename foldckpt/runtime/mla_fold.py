@@ -112,6 +112,17 @@ class FoldedMLAMixin:
         )
         return output
 
+    def process_weights_after_loading(self, *args: Any) -> None:
+        """The layer's post-load hook: vLLM 0.34 runs it on every module after each load and reload
+        (0.32/0.33 run it on attention layers only, which these wrappers are not). The base class's
+        runs first where it has one (Kimi-K3's ROCm wrapper, 0.34); a second run is a weight
+        reload, which a folded layer refuses (:meth:`LayerFold.mark_finalized`)."""
+        base = getattr(super(), "process_weights_after_loading", None)
+        if base is not None:
+            base(*args)
+        if self.fold is not None:
+            self.fold.mark_finalized()
+
     def _fold_loaded(self) -> str:
         """The weight is in: warm the GPU kernels; say how decode RoPE is done (for the log)."""
         cache = self._rope_cache()

@@ -15,10 +15,32 @@ projection moved:
 - every other batch: the plugin's routed op (:class:`~foldckpt.runtime.mla_fold.FoldedMLAMixin`),
   which splits decode rows to the fold and prefill rows to ``q_b_proj``.
 
-Not run on this project's machines (there is no ROCm GPU here): the vLLM 0.32/0.33 source it
-relies on is contract-tested (tests/contract). The 0.32/0.33 differences handled: ``_qkv_gate_fused``
-and ``_fused_q_heads`` (0.33 only), ``forward(..., skip_o_proj)`` (0.33 only), the fused sigmoid
-gate (0.33).
+The fused kernel gets all-zero positions: its cos/sin cache is one identity row (cos = 1, sin = 0)
+and not every AITER variant clamps a position into it; the head-grouped kernel of AITER v0.1.26
+reads cos = sin = 0 past the cache, which zeroes q_pe and the cached k_pe (vLLM 0.34 found this and
+passes its ``_zero_positions``). The buffer is vLLM's where it has one (0.34), else the plugin's
+own, allocated once per layer at the largest batch and sliced per call, so captured graphs share it.
+
+vLLM 0.34 folds Kimi-K3 itself on this path (``_w_fold``, built in its
+``process_weights_after_loading`` when ``_fold_qb_uk``, run by ``_fused_decode`` for decode-only
+batches of any size). A layer with a sidecar fold clears ``_fold_qb_uk``, so vLLM builds no second
+fold. Why the plugin keeps its own fold rather than handing the sidecar's rows to vLLM's slot: the
+same weight, in the manifest's per-head ``[L+R]`` layout, also serves the routed op (mixed batches:
+``y.view(m, n, L+R)`` is the MQA query with no concat), fp8 folds (vLLM's slot is bf16
+``gemm_a16w16`` only) and vLLM 0.33 (no slot at all); vLLM's layout (all nope rows, then all pe
+rows) would need a second copy of the weight or a concat per step, and the handover would rest on
+four vLLM internals (``_w_fold``, its row layout, ``_split_fold_output``, ``_fused_decode``'s 2-D
+dispatch) where this rests on one flag.
+
+Refused (the engine stops with one line naming it): Kimi-K3's ``decode_backend=latency_specialized``
+(vLLM 0.34's "M1" kernel reads ``q_b_proj.weight`` and ``W_K`` itself, past this class's forward),
+as on NVIDIA; and a weight reload (:meth:`~foldckpt.runtime.layer_fold.LayerFold.mark_finalized`).
+
+Not run on this project's machines (there is no ROCm GPU here): the vLLM 0.32/0.33/0.34 source it
+relies on is contract-tested (tests/contract), and the fused query + cache write runs on the CPU
+against a stand-in of the AITER kernel (tests/unit/test_kimi_k3_rocm.py). The release differences
+handled: ``_qkv_gate_fused`` and ``_fused_q_heads`` (0.33 on), ``forward(..., skip_o_proj)`` (0.33
+on), the fused sigmoid gate (0.33 on), ``_zero_positions`` and ``_fold_qb_uk`` (0.34).
 """
 
 from __future__ import annotations
@@ -29,6 +51,7 @@ from typing import Any
 
 import torch
 from vllm._aiter_ops import rocm_aiter_ops
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.models.kimi_k3.amd.mla import KimiK3MultiHeadLatentAttentionWrapper
@@ -36,6 +59,7 @@ from vllm.platforms import current_platform
 
 from foldckpt.errors import FoldckptError
 from foldckpt.runtime.kernels import fold_gemm
+from foldckpt.runtime.layer_fold import SPECIALIZED_DECODE, specialized_decode_requested
 from foldckpt.runtime.mla_fold import FoldedMLAMixin
 
 # aiter reads a strided q_nope correctly from this version on (older ones misread it when the KV
@@ -55,6 +79,13 @@ def _aiter_reads_strided_q_nope() -> bool:
     return parts >= _AITER_STRIDED_Q_NOPE
 
 
+def _max_batch_tokens() -> int:
+    """The most rows one forward can have: vLLM 0.34 sizes its ``_zero_positions`` the same way."""
+    config = get_current_vllm_config()
+    scheduler, compilation = config.scheduler_config, config.compilation_config
+    return max(scheduler.max_num_batched_tokens, compilation.max_cudagraph_capture_size or 0)
+
+
 class FoldedKimiK3Wrapper(FoldedMLAMixin, KimiK3MultiHeadLatentAttentionWrapper):
     """Kimi-K3's ROCm MLA wrapper with the query projection folded for decode rows."""
 
@@ -67,8 +98,15 @@ class FoldedKimiK3Wrapper(FoldedMLAMixin, KimiK3MultiHeadLatentAttentionWrapper)
             "sparse MLA (indexer)": self.is_sparse or self.indexer is not None,
             "DCP query replication": self.dcp_q_replicate,
             "MLA with RoPE": self.rotary_emb is not None,
+            SPECIALIZED_DECODE: specialized_decode_requested(),
         })  # fmt: skip
         self._strided_q_nope = _aiter_reads_strided_q_nope()
+        if self.fold is None:
+            return
+        self._fold_qb_uk = False  # vLLM 0.34: no _w_fold of its own beside the sidecar's (module docstring)
+        if getattr(self, "_zero_positions", None) is None:  # vLLM 0.33 has none (0.34: when it fuses no decode)
+            zeros = torch.zeros(_max_batch_tokens(), dtype=torch.int64)
+            self.register_buffer("_zero_positions", zeros, persistent=False)
 
     def forward(
         self,
@@ -103,7 +141,7 @@ class FoldedKimiK3Wrapper(FoldedMLAMixin, KimiK3MultiHeadLatentAttentionWrapper)
                 and self.fold.takes(attn_metadata.num_decode_tokens)
             ):
                 attn_out = self._fused_fold_decode(
-                    q_c, kv_c_normed, k_pe, positions, num_tokens, attn_metadata, layer, kv_cache, slot_mapping
+                    q_c, kv_c_normed, k_pe, num_tokens, attn_metadata, layer, kv_cache, slot_mapping
                 )
                 self.fold.count(q_c, attn_metadata.num_decode_tokens, 0, 0)
         if attn_out is None:
@@ -128,7 +166,6 @@ class FoldedKimiK3Wrapper(FoldedMLAMixin, KimiK3MultiHeadLatentAttentionWrapper)
         q_c: torch.Tensor,
         kv_c_normed: torch.Tensor,
         k_pe: torch.Tensor,
-        positions: torch.Tensor,
         num_tokens: int,
         attn_metadata: Any,
         layer: Any,
@@ -136,12 +173,33 @@ class FoldedKimiK3Wrapper(FoldedMLAMixin, KimiK3MultiHeadLatentAttentionWrapper)
         slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
         """vLLM's ``_fused_decode`` with the fold GEMM in place of q_b_proj + the W_UK bmm."""
+        fp8_dtype = current_platform.fp8_dtype()
+        if kv_cache.dtype != fp8_dtype:
+            kv_cache = kv_cache.view(fp8_dtype)
+        q_out = self._fold_into_cache(q_c, kv_c_normed, k_pe, layer, kv_cache, slot_mapping)
+        attn = self.mla_attn
+        attn_out, _ = attn.impl.forward_mqa(q_out, kv_cache, attn_metadata, attn)
+        output = q_c.new_empty((num_tokens, self.num_heads * self.v_head_dim))
+        attn._v_up_proj(attn_out, out=output)
+        return output
+
+    def _fold_into_cache(
+        self,
+        q_c: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        layer: Any,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """The fp8 MQA query ``[m, n, L+R]`` of decode rows (the fold GEMM, then aiter's fused
+        concat + quant) and their latent cache rows written into ``kv_cache`` (viewed as fp8)."""
         from aiter.ops.cache import fused_qk_rope_concat_and_cache_mla
 
         assert self.q_fold is not None
-        attn = self.mla_attn
         head_size = self.kv_lora_rank + self.qk_rope_head_dim
-        y = fold_gemm(q_c, self.q_fold.weight, scale=self.fold.weight_scale).view(q_c.shape[0], self.num_heads, head_size)
+        y = fold_gemm(q_c, self.q_fold.weight, scale=self.fold.weight_scale)
+        y = y.view(q_c.shape[0], self.num_heads, head_size)
         ql_nope, q_pe = y[..., : self.kv_lora_rank], y[..., self.kv_lora_rank :]
         if not self._strided_q_nope:
             ql_nope = ql_nope.contiguous()
@@ -151,21 +209,18 @@ class FoldedKimiK3Wrapper(FoldedMLAMixin, KimiK3MultiHeadLatentAttentionWrapper)
             opts = {"dtype": kv_c_normed.dtype, "device": kv_c_normed.device}
             self._identity_rope = (torch.ones(1, half, **opts), torch.zeros(1, half, **opts))
         cos_cache, sin_cache = self._identity_rope
-        fp8_dtype = current_platform.fp8_dtype()
-        if kv_cache.dtype != fp8_dtype:
-            kv_cache = kv_cache.view(fp8_dtype)
         fused_heads = getattr(self, "_fused_q_heads", self.num_heads)
-        q_out = torch.empty((q_c.shape[0], fused_heads, head_size), dtype=fp8_dtype, device=q_c.device)
+        q_out = torch.empty((q_c.shape[0], fused_heads, head_size), dtype=kv_cache.dtype, device=q_c.device)
         q_out = q_out[:, : self.num_heads]
+        # Position 0 for every row: the one-row identity cache is exact there (module docstring).
+        slot_mapping = slot_mapping.flatten()
+        positions = self._zero_positions[: slot_mapping.shape[0]]
         fused_qk_rope_concat_and_cache_mla(
             ql_nope, q_pe, kv_c_normed, k_pe.squeeze(1), kv_cache.view(kv_cache.shape[0], -1, head_size), q_out,
-            slot_mapping.flatten(), layer._k_scale, layer._q_scale, positions, cos_cache, sin_cache,
+            slot_mapping, layer._k_scale, layer._q_scale, positions, cos_cache, sin_cache,
             is_neox=True, is_nope_first=True,
         )  # fmt: skip
-        attn_out, _ = attn.impl.forward_mqa(q_out, kv_cache, attn_metadata, attn)
-        output = q_c.new_empty((num_tokens, self.num_heads * self.v_head_dim))
-        attn._v_up_proj(attn_out, out=output)
-        return output
+        return q_out
 
 
 def install() -> None:

@@ -14,7 +14,8 @@ PIECEWISE CUDA-graph replay and is captured whole in FULL decode graphs), which 
   ``y.view(m, n, L+R)`` is the MQA query; its strided views ``y[..., :L]`` (ql_nope) and
   ``y[..., L:]`` (q_pe: Kimi-K3 is NoPE, no rotary) go straight into vLLM's
   ``_decode_concat_cache`` (fused concat + latent cache insert), then vLLM's DCP gather,
-  ``forward_mqa``, DCP combine and ``_v_up_proj``;
+  ``forward_mqa``, DCP combine and ``_v_up_proj`` (vLLM 0.34: ``v_up_proj_combine``, the two in one,
+  where the DCP manager has it);
 - prefill rows of the same batch (the pre-route): ``q_b_proj`` and vLLM's ``_forward_prefill_fused``;
 - larger decode batches and profiling runs: exactly vLLM's path (``q_b_proj`` on all rows, then
   vLLM's own ``_attention``).
@@ -30,13 +31,18 @@ from typing import Any
 import torch
 import vllm.models.kimi_k3.nvidia.model as k3_model
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
-from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.models.common.ops import fused_q_kv_rmsnorm
 from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention
 
 from foldckpt.runtime.kernels import fold_gemm
-from foldckpt.runtime.layer_fold import BuiltMLA, LayerFold, attach_fold
+from foldckpt.runtime.layer_fold import (
+    SPECIALIZED_DECODE,
+    BuiltMLA,
+    LayerFold,
+    attach_fold,
+    specialized_decode_requested,
+)
 
 # vLLM's ``_attention`` without its capture-break decorator (in 0.33 the decorator keeps it as
 # ``__wrapped__``; in 0.32 it may be the plain function): the unfolded path runs it inside our
@@ -53,12 +59,8 @@ class FoldedKimiK3MLA(MultiHeadLatentAttention):
         self.q_fold = None
         if self.q_lora_rank is None:  # Kimi-Linear's full-rank q_proj: nothing to fold.
             return
-        additional = get_current_vllm_config().additional_config
-        decode_backend = additional.get("decode_backend") if isinstance(additional, dict) else None
         unsupported = {
-            # Its fused CuTe query kernel reads q_b_proj.weight and W_UK_T itself, inside FULL
-            # decode graphs the fold cannot enter.
-            "the latency_specialized decode backend": decode_backend == "latency_specialized",
+            SPECIALIZED_DECODE: specialized_decode_requested(),
             "MLA with RoPE (the DSpark draft)": self.rotary_emb is not None,
         }
         built = BuiltMLA(self.num_heads, self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim,
@@ -132,16 +134,26 @@ class FoldedKimiK3MLA(MultiHeadLatentAttention):
             assert self.dcp_manager is not None and self.dcp_manager.query_gather is not None
             mqa_q = self.dcp_manager.query_gather(mqa_q)
         latent_out, lse = self.impl.forward_mqa(mqa_q, self._attn_read_kv_cache(), attn_metadata, self)
+        fold.count(q_c, decode, 0, total - decode)
         if self.dcp_world_size > 1:
             assert lse is not None and self.dcp_manager is not None and attn_metadata.decode is not None
-            latent_out = self.dcp_manager.combine(
-                latent_out,
-                lse,
-                seq_lens=attn_metadata.decode.seq_lens,
-                query_start_loc=attn_metadata.query_start_loc[: attn_metadata.num_decodes + 1],
-            )
+            seq_lens = attn_metadata.decode.seq_lens
+            query_start_loc = attn_metadata.query_start_loc[: attn_metadata.num_decodes + 1]
+            # vLLM 0.34: the all-gathered W_UV, when the DCP manager has the fused merge + W_UV.
+            w_uv_dcp = getattr(self, "W_UV_dcp", None)
+            if w_uv_dcp is not None:
+                self.dcp_manager.v_up_proj_combine(latent_out, lse, w_uv_dcp, attn_out[:decode], seq_lens=seq_lens,
+                                                   query_start_loc=query_start_loc)  # fmt: skip
+                return
+            latent_out = self.dcp_manager.combine(latent_out, lse, seq_lens=seq_lens, query_start_loc=query_start_loc)
         self._v_up_proj(latent_out, out=attn_out[:decode])
-        fold.count(q_c, decode, 0, total - decode)
+
+    def process_weights_after_loading(self, *args: Any) -> None:
+        """vLLM's W_UK / W_UV absorption (``act_dtype`` in vLLM 0.32/0.33, none in 0.34); a second
+        run is a weight reload, which a folded layer refuses (:meth:`LayerFold.mark_finalized`)."""
+        super().process_weights_after_loading(*args)
+        if self.fold is not None:
+            self.fold.mark_finalized()
 
 
 def install() -> None:
