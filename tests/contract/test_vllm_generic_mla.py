@@ -401,24 +401,58 @@ def test_decode_concat_quant_takes_ql_nope_q_pe_scale(vllm_tree: SourceTree) -> 
 
 def test_forward_impl_still_does_what_the_op_replays(vllm_tree: SourceTree) -> None:
     """The op's folded path is forward_impl with the query built differently: same cache view,
-    same quantized-query rule, same MHA / MQA / W_UV calls, decode rows first."""
+    same quantized-query rule, same MHA / MQA / W_UV calls, decode rows first. (0.34 moved the
+    W_UK bmm, the fp8 concat and the DCP gather into ``_prepare_mqa_query``, which forward_impl
+    skips for a ready ``mqa_q_prepared``.)"""
     tree, why = vllm_tree, "mla_fold.py attend replays MLAAttention.forward_impl"
     tree.require_call(
         ATTN_MOD, ATTN, "forward_impl", "self.impl.forward_mha", positional=6, keywords=["output"], why=why
     )
     tree.require_call(ATTN_MOD, ATTN, "forward_impl", "self.impl.forward_mqa", positional=4, why=why)
     tree.require_call(ATTN_MOD, ATTN, "forward_impl", "self._v_up_proj", positional=1, keywords=["out"], why=why)
-    tree.require_call(ATTN_MOD, ATTN, "forward_impl", "self._decode_concat_quant_fp8_op", positional=3, why=why)
     tree.require_call(ATTN_MOD, ATTN, "forward_impl", "is_quantized_kv_cache", positional=1, why=why)
-    source = tree.source(ATTN_MOD, ATTN, "forward_impl")
-    for step in [
-        "kv_cache = kv_cache.view(current_platform.fp8_dtype())",
-        "fp8_attention and self.impl.supports_quant_query_input",
-        "self._decode_concat_quant_fp8_op(mqa_ql_nope, mqa_q_pe, self._q_scale)",
-        "num_mqa_tokens = attn_metadata.num_decode_tokens",
-        "self.impl.forward_mqa(mqa_q, kv_cache, attn_metadata, self)",
+    query = "forward_impl" if tree.minor < (0, 34) else "_prepare_mqa_query"
+    if query != "forward_impl":
+        tree.require_call(ATTN_MOD, ATTN, "forward_impl", "self._prepare_mqa_query", positional=1,
+                          keywords=["qrep_decode"], why=why)  # fmt: skip
+    tree.require_call(ATTN_MOD, ATTN, query, "self._decode_concat_quant_fp8_op", positional=3, why=why)
+    tree.require_call(ATTN_MOD, ATTN, query, "is_quantized_kv_cache", positional=1, why=why)
+    source, query_source = tree.source(ATTN_MOD, ATTN, "forward_impl"), tree.source(ATTN_MOD, ATTN, query)
+    for step, where in [
+        ("kv_cache = kv_cache.view(current_platform.fp8_dtype())", source),
+        ("fp8_attention and self.impl.supports_quant_query_input", query_source),
+        ("self._decode_concat_quant_fp8_op(mqa_ql_nope, mqa_q_pe, self._q_scale)", query_source),
+        ("num_mqa_tokens = attn_metadata.num_decode_tokens", source),
+        ("self.impl.forward_mqa(mqa_q, kv_cache, ", source),
     ]:
-        assert step in source, f"{tree.label}: MLAAttention.forward_impl no longer does `{step}` [foldckpt: {why}]"
+        assert step in where, f"{tree.label}: MLAAttention.{query} no longer does `{step}` [foldckpt: {why}]"
+
+
+def test_kv_sharing_and_shardq_are_sparse_mla_only(vllm_tree: SourceTree) -> None:
+    """0.34's MLA op prepares the cache of KV-sharing layers, and forward_impl shards the query
+    under ShardQ: neither is replayed by the op, because neither reaches a dense MLA layer (the
+    only kind _init_fold folds): a dense backend refuses KV sharing, and only sparse backends
+    turn ShardQ on."""
+    tree, why = vllm_tree, "the foldckpt::mla_attention op folds dense MLA only (sparse is refused)"
+    if tree.minor < (0, 34):
+        assert "kv_sharing_target_layer_name" not in tree.source(ATTN_MOD, None, "unified_mla_attention_with_output")
+        return
+    source = tree.source(ATTN_MOD, None, "unified_mla_attention_with_output")
+    assert "if layer.kv_sharing_target_layer_name is not None:\n        layer.prepare_kv_cache_update(" in source, (
+        f"{tree.label}: unified_mla_attention_with_output prepares the cache for more than KV-sharing layers [{why}]"
+    )
+    assert "KV sharing is only supported by sparse MLA backends" in tree.string_constants(
+        ATTN_MOD, "MLACommonImpl", "__init__"
+    ), f"{tree.label}: dense MLA backends (MLACommonImpl) no longer refuse KV sharing [foldckpt: {why}]"
+    setters = {
+        m for m in tree.modules_containing("self.use_shardq =", ["vllm.v1.attention.backends"])
+    }  # fmt: skip
+    assert setters and all("sparse" in m or m.endswith(".indexer") for m in setters), (
+        f"{tree.label}: use_shardq is now set by {sorted(setters)} [foldckpt: {why}]"
+    )
+    assert "self.use_shardq = shardq_eligible and getattr(impl, 'use_shardq', False)" in tree.source(
+        ATTN_MOD, ATTN, "__init__"
+    ), f"{tree.label}: MLAAttention turns ShardQ on by another rule [foldckpt: {why}]"
 
 
 def test_forward_impl_views_every_dense_quantized_cache_as_fp8(vllm_tree: SourceTree) -> None:
@@ -448,13 +482,14 @@ def test_the_stock_ops_do_no_more_than_the_folded_op_replays(vllm_tree: SourceTr
         f"{sorted(expected - update)} [{why}: mla_fold.py _update_kv_cache]"
     )
     attend = tree.calls(ATTN_MOD, None, "unified_mla_attention_with_output")
-    # hisparse_cache is only set for sparse (index-group) MLA, which _init_fold refuses.
+    # hisparse_cache is only set for sparse (index-group) MLA, which _init_fold refuses; so are
+    # KV-sharing layers, whose cache 0.34 prepares here (test_kv_sharing_and_shardq_are_sparse_mla_only).
     expected = {
         "_resolve_layer_name",
         "get_attention_context",
         "layer.hisparse_cache.finish_kv_update",
         "layer.forward_impl",
-    }
+    } | ({"layer.prepare_kv_cache_update"} if tree.minor >= (0, 34) else set())
     assert attend == expected, (
         f"{tree.label}: unified_mla_attention_with_output now calls {sorted(attend - expected)}, no longer "
         f"{sorted(expected - attend)} [foldckpt: {why}]"

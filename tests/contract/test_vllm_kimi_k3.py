@@ -1,4 +1,4 @@
-"""Contract (first draft): what folding Kimi-K3 relies on in vLLM 0.32 / 0.33.
+"""Contract: what folding Kimi-K3 relies on in vLLM 0.32 / 0.33 / 0.34.
 
 vLLM builds Kimi-K3's MLA from two classes the generic plugin never sees:
 
@@ -8,8 +8,8 @@ vLLM builds Kimi-K3's MLA from two classes the generic plugin never sees:
 - ROCm: ``vllm.models.kimi_k3.amd.mla.KimiK3MultiHeadLatentAttentionWrapper``, a subclass of the
   generic wrapper, replaced through ``PluggableLayer`` by its own class name.
 
-Where 0.32 and 0.33 differ, the difference is data below (keyed by ``tree.minor``), checked both
-ways: what 0.33 added must be absent from 0.32, so a wrong table fails too. The tests that read
+Where releases differ, the difference is data below (keyed by ``tree.minor``), checked both ways:
+what a later release added must be absent from an earlier one, so a wrong table fails too. The tests that read
 the Kimi-K3 fold modules (``foldckpt.runtime.kimi_k3_*``) derive what those rely on from their
 source, and skip while a module does not exist.
 """
@@ -41,17 +41,22 @@ ROCM_FORWARD = {
     (0, 32): ["self", "positions", "hidden_states", "llama_4_scaling=None"],
     # skip_o_proj: the ROCm specialized decode runs o_proj inside its own kernel.
     (0, 33): ["self", "positions", "hidden_states", "llama_4_scaling=None", "skip_o_proj=False"],
+    (0, 34): ["self", "positions", "hidden_states", "llama_4_scaling=None", "skip_o_proj=False"],
 }
 _ROCM_INIT_COMMON = ["_use_eager_qk_rmsnorm_fusion", "_fused_qk_prep", "_identity_rope"]
 ROCM_INIT_ATTRS = {
     (0, 32): _ROCM_INIT_COMMON,
     # the output gate merged into fused_qkv_a_proj; AITER's padded head count for the fused query
     (0, 33): [*_ROCM_INIT_COMMON, "_qkv_gate_fused", "_fused_q_heads"],
+    # vLLM's own fold of q_b_proj and W_UK (_w_fold, built when _fold_qb_uk)
+    (0, 34): [*_ROCM_INIT_COMMON, "_qkv_gate_fused", "_fused_q_heads", "_fold_qb_uk", "_w_fold"],
 }
-ROCM_ONLY_IN_033 = {"_qkv_gate_fused", "_fused_q_heads"}
+ROCM_LATER_INIT_ATTRS = {a for attrs in ROCM_INIT_ATTRS.values() for a in attrs} - set(_ROCM_INIT_COMMON)
 # Extra calls of NVIDIA process_weights_after_loading: 0.33 skips the W_UK/W_UV absorption when
 # the weight-cache daemon hands over already processed weights.
-NV_PWAL_EXTRA_CALLS = {(0, 32): set(), (0, 33): {"is_weights_pre_processed"}}
+NV_PWAL_EXTRA_CALLS = {(0, 32): set(), (0, 33): {"is_weights_pre_processed"}, (0, 34): {"is_weights_pre_processed"}}
+# 0.34 dropped act_dtype (the layer keeps it) and runs module hooks from finalize_model_weights.
+NV_PWAL_PARAMS = {(0, 32): ["self", "act_dtype"], (0, 33): ["self", "act_dtype"], (0, 34): ["self"]}
 # Platform branches of vllm/models/kimi_k3/__init__.py: condition -> {exported name: module}.
 _NV = {
     "KimiK3ForConditionalGeneration": "nvidia.model",
@@ -67,8 +72,9 @@ K3_PLATFORM_BRANCHES = {
         "current_platform.is_xpu()": _XPU, "else": _NV,
     },
 }  # fmt: skip
+K3_PLATFORM_BRANCHES[(0, 34)] = K3_PLATFORM_BRANCHES[(0, 33)]
 # The specialized ("latency_specialized") decode reads q_b_proj.weight / W_UK_T itself (0.33 only).
-HAS_SPECIALIZED_DECODE = {(0, 32): False, (0, 33): True}
+HAS_SPECIALIZED_DECODE = {(0, 32): False, (0, 33): True, (0, 34): True}
 
 # ---- what holds in both ----------------------------------------------------------------
 NV_MLA_INIT_KEYWORDS = [
@@ -85,6 +91,8 @@ NV_ATTENTION_SELF_CALLS = {
     "self._forward_prefill_fused", "self._decode_concat_cache", "self.dcp_manager.query_gather",
     "self.impl.forward_mqa", "self._attn_read_kv_cache", "self.dcp_manager.combine", "self._v_up_proj",
 }  # fmt: skip
+# 0.34: the DCP merge and W_UV in one call, where the DCP manager has it (W_UV_dcp set).
+NV_ATTENTION_LATER_CALLS = {(0, 32): set(), (0, 33): set(), (0, 34): {"self.dcp_manager.v_up_proj_combine"}}
 NV_DECODE_CONCAT_PARAMS = [
     "self",
     "ql_nope",
@@ -98,10 +106,18 @@ NV_DECODE_CONCAT_PARAMS = [
 NV_PREFILL_PARAMS = [
     "self", "q", "kv_c_normed", "k_pe", "positions", "cos_sin_cache", "slot_mapping", "attn_metadata", "out",
 ]  # fmt: skip
-ROCM_FUSED_DECODE_PARAMS = [
+_ROCM_FUSED_DECODE_PARAMS = [
     "self", "q", "kv_c_normed", "k_pe", "positions", "output_shape", "attn_metadata", "layer", "kv_cache",
     "slot_mapping",
 ]  # fmt: skip
+# 0.34 gives the kernel its _zero_positions instead of the real positions.
+ROCM_FUSED_DECODE_PARAMS = {
+    (0, 32): _ROCM_FUSED_DECODE_PARAMS,
+    (0, 33): _ROCM_FUSED_DECODE_PARAMS,
+    (0, 34): [p for p in _ROCM_FUSED_DECODE_PARAMS if p != "positions"],
+}
+# The positions argument of the fused kernel call in _fused_decode (its 10th positional).
+ROCM_KERNEL_POSITIONS = {(0, 32): "positions", (0, 33): "positions", (0, 34): "self._zero_positions[:num_slots]"}
 # What _fused_qk_prep_supported / _fused_decode read off MLAAttention.
 ROCM_ATTN_ATTRS = [
     "kv_cache_dtype", "use_pcp", "hisparse_cache", "q_pad_num_heads", "is_aiter_triton_fp4_bmm_enabled",
@@ -174,11 +190,19 @@ def test_nvidia_attention_is_a_capture_break_with_the_decode_tail(k3_tree: Sourc
         calls=sorted(NV_ATTENTION_SELF_CALLS),
         why=why,
     )
+    expected = NV_ATTENTION_SELF_CALLS | NV_ATTENTION_LATER_CALLS[tree.minor]
     own = {c for c in tree.calls(NV_MLA, MLA, "_attention") if c.startswith("self.") and "(" not in c}
-    assert own == NV_ATTENTION_SELF_CALLS, (
-        f"{tree.label}: _attention now also calls {sorted(own - NV_ATTENTION_SELF_CALLS)}, no longer "
-        f"{sorted(NV_ATTENTION_SELF_CALLS - own)} [foldckpt: {why}]"
+    assert own == expected, (
+        f"{tree.label}: _attention now also calls {sorted(own - expected)}, no longer "
+        f"{sorted(expected - own)} [foldckpt: {why}]"
     )
+    if NV_ATTENTION_LATER_CALLS[tree.minor]:
+        call = tree.require_call(NV_MLA, MLA, "_attention", "self.dcp_manager.v_up_proj_combine", positional=4,
+                                 keywords=["seq_lens", "query_start_loc"], why=why)  # fmt: skip
+        assert call.args[2] == "self.W_UV_dcp", f"{tree.label}: v_up_proj_combine{call.args} [foldckpt: {why}]"
+        assert "if self.W_UV_dcp is not None:" in tree.source(NV_MLA, MLA, "_attention"), (
+            f"{tree.label}: _attention no longer picks v_up_proj_combine by W_UV_dcp [foldckpt: {why}]"
+        )
     tree.require_call(NV_MLA, MLA, "_attention", "self._decode_concat_cache", positional=7, why=why)
     tree.require_call(NV_MLA, MLA, "_attention", "self._forward_prefill_fused", positional=8, why=why)
     tree.require_call(NV_MLA, MLA, "_attention", "self.impl.forward_mqa", positional=4, why=why)
@@ -211,16 +235,26 @@ def test_nvidia_attention_is_a_capture_break_with_the_decode_tail(k3_tree: Sourc
 def test_nvidia_weight_absorption_runs_after_the_linears(k3_tree: SourceTree) -> None:
     tree, why = k3_tree, "the fold's q_fold is filled in the linears' pass, W_UK_T in the attention pass"
     tree.require_method(
-        NV_MLA, MLA, "process_weights_after_loading", params=["self", "act_dtype"], assigns=["W_UK_T", "W_UV"], why=why
-    )
+        NV_MLA, MLA, "process_weights_after_loading", params=NV_PWAL_PARAMS[tree.minor], assigns=["W_UK_T", "W_UV"],
+        why=why,
+    )  # fmt: skip
     extra = {"is_weights_pre_processed"} & tree.calls(NV_MLA, MLA, "process_weights_after_loading")
     assert extra == NV_PWAL_EXTRA_CALLS[tree.minor], f"{tree.label}: process_weights_after_loading calls {extra}"
     utils = "vllm.model_executor.model_loader.utils"
     order = [c.name for c in tree.call_sites(utils, None, "process_weights_after_loading")]
-    linears, attention = "quant_method.process_weights_after_loading", "module.process_weights_after_loading"
+    linears = "quant_method.process_weights_after_loading"
+    # 0.34 runs the module hooks (attention layers, and every other module: FoldedMLAMixin's) from
+    # finalize_model_weights, which every load and reload path ends in.
+    attention = "module.process_weights_after_loading" if tree.minor < (0, 34) else "finalize_model_weights"
     assert linears in order and attention in order and order.index(linears) < order.index(attention), (
         f"{tree.label}: the loader no longer post-processes linears before attention layers ({order}) [foldckpt: {why}]"
     )
+    if tree.minor >= (0, 34):
+        weights = "vllm.model_executor.model_loader.weight_utils"
+        assert "hook = getattr(module, 'process_weights_after_loading', None)" in tree.source(
+            weights, None, "finalize_model_weights"
+        ), f"{tree.label}: finalize_model_weights no longer runs each module's hook [foldckpt: {why}]"
+        tree.require_call(weights, None, "finalize_model_weights", "hook", positional=0, why=why)
     assert ("layer", "AttentionLayerBase") in tree.isinstance_checks(
         "vllm.model_executor.layers.attention", None, "is_deferred_attention_layer"
     ), f"{tree.label}: is_deferred_attention_layer no longer picks AttentionLayerBase layers [foldckpt: {why}]"
@@ -357,14 +391,16 @@ def test_rocm_wrapper_methods(k3_tree: SourceTree) -> None:
     tree, why = k3_tree, "FoldedKimiK3Wrapper reuses / mirrors them"
     tree.require_method(AMD_MLA, ROCM, "_fused_qk_prep_supported", params=["self"], inherited=False, why=why)
     tree.require_method(AMD_MLA, ROCM, "_normalize_q_kv", params=["self", "q_c", "kv_c"], inherited=False, why=why)
-    tree.require_method(AMD_MLA, ROCM, "_fused_decode", params=ROCM_FUSED_DECODE_PARAMS, inherited=False, why=why)
+    tree.require_method(
+        AMD_MLA, ROCM, "_fused_decode", params=ROCM_FUSED_DECODE_PARAMS[tree.minor], inherited=False, why=why
+    )
     tree.require_method(AMD_MLA, ROCM, "forward", params=ROCM_FORWARD[tree.minor], inherited=False, why=why)
 
 
 def test_rocm_wrapper_init_attributes_per_release(k3_tree: SourceTree) -> None:
     tree = k3_tree
     tree.require_method(AMD_MLA, ROCM, "__init__", assigns=ROCM_INIT_ATTRS[tree.minor], inherited=False)
-    unexpected = (ROCM_ONLY_IN_033 - set(ROCM_INIT_ATTRS[tree.minor])) & tree.assigned_attributes(
+    unexpected = (ROCM_LATER_INIT_ATTRS - set(ROCM_INIT_ATTRS[tree.minor])) & tree.assigned_attributes(
         AMD_MLA, ROCM, "__init__"
     )
     assert not unexpected, f"{tree.label}: {ROCM}.__init__ sets {sorted(unexpected)}: update ROCM_INIT_ATTRS"
@@ -392,7 +428,11 @@ def test_rocm_fused_decode_calls_aiters_fused_concat_and_cache(k3_tree: SourceTr
     assert "attn_metadata.num_actual_tokens == attn_metadata.num_decode_tokens" in source, (
         f"{tree.label}: {ROCM}.forward no longer takes _fused_decode for decode-only batches only [foldckpt: {why}]"
     )
-    tree.require_call(AMD_MLA, ROCM, "forward", "self._fused_decode", positional=9, why=why)
+    positional = len(ROCM_FUSED_DECODE_PARAMS[tree.minor]) - 1
+    tree.require_call(AMD_MLA, ROCM, "forward", "self._fused_decode", positional=positional, why=why)
+    assert call.args[9] == ROCM_KERNEL_POSITIONS[tree.minor], (
+        f"{tree.label}: _fused_decode passes {call.args[9]} as the kernel's positions [foldckpt: {why}]"
+    )
     tree.require_call(AMD_MLA, ROCM, "forward", "self._normalize_q_kv", positional=2, why=why)
 
 
@@ -435,6 +475,43 @@ def test_specialized_decode_per_release(k3_tree: SourceTree) -> None:
         f"{tree.label}: the ROCm specialized decode calls mla_attn.forward as {sites} "
         "[FoldedKimiK3Wrapper.forward takes skip_o_proj]"
     )
+    # Both fold classes refuse it by the same switch (layer_fold.specialized_decode_requested): on
+    # ROCm since 0.34, whose "M1" kernel reads q_b_proj.weight and W_K past the wrapper's forward.
+    amd_switch = "vllm.models.kimi_k3.amd.specialized_decode.runtime"
+    assert "AUTO, SPECIALIZED = ('auto', 'latency_specialized')" in ast.unparse(tree.module(amd_switch))
+    assert "decode_backend" in tree.string_constants(amd_switch, None, "decode_backend")
+    assert "extra = vllm_config.additional_config" in tree.source(amd_switch, None, "decode_backend")
+
+
+def test_rocm_decode_positions_and_vllms_own_fold_per_release(k3_tree: SourceTree, foldckpt_tree: SourceTree) -> None:
+    """0.34 gives the fused kernel ``_zero_positions`` (0.33 the real positions, which AITER's
+    head-grouped kernel reads past the one-row identity cache) and folds q_b_proj x W_UK itself
+    (``_w_fold``) unless ``_fold_qb_uk`` is false. FoldedKimiK3Wrapper registers the same buffer where
+    vLLM has none, sized the same way, and clears the flag."""
+    tree, why = k3_tree, "kimi_k3_rocm: zero positions for the kernel; no second fold beside the sidecar's"
+    init = tree.source(AMD_MLA, ROCM, "__init__")
+    ours = foldckpt_tree.source("foldckpt.runtime.kimi_k3_rocm", "FoldedKimiK3Wrapper", "_fold_into_cache")
+    assert "positions = self._zero_positions[:slot_mapping.shape[0]]" in ours
+    assert "_fold_qb_uk" in foldckpt_tree.assigned_attributes(
+        "foldckpt.runtime.kimi_k3_rocm", "FoldedKimiK3Wrapper", "__init__"
+    )
+    if tree.minor < (0, 34):
+        assert "_zero_positions" not in init and "_fold_qb_uk" not in init, f"{tree.label}: update this table"
+        return
+    for step in [
+        "max_tokens = max(vllm_config.scheduler_config.max_num_batched_tokens, "
+        "vllm_config.compilation_config.max_cudagraph_capture_size or 0)",
+        "zero_positions = torch.zeros(max_tokens, dtype=torch.int64)",
+        "self.register_buffer('_zero_positions', zero_positions, persistent=False)",
+    ]:
+        assert step in init, f"{tree.label}: {ROCM}.__init__ no longer does `{step}` [foldckpt: {why}]"
+    hook = tree.require_method(AMD_MLA, ROCM, "process_weights_after_loading", params=["self"], inherited=False)
+    assert [ast.unparse(s) for s in hook.body] == ["if self._fold_qb_uk:\n    self._build_w_fold()"], (
+        f"{tree.label}: {ROCM}.process_weights_after_loading ({tree.where(AMD_MLA, hook)}) now does more than "
+        f"build _w_fold under _fold_qb_uk [foldckpt: {why}]"
+    )
+    tree.require_call(AMD_MLA, ROCM, "_build_w_fold", "refill_derived", positional=3, why=why)
+    assert "if fuse and self._fold_qb_uk and (llama_4_scaling is None):" in tree.source(AMD_MLA, ROCM, "forward")
 
 
 # --------------------------------------------------------------------------------------------
@@ -455,6 +532,7 @@ def test_fold_classes_find_what_they_read(
     needed = foldckpt_tree.undefined_self_reads(module, cls)
     # Read with getattr(self, name, default) precisely because some releases lack them.
     optional = {"_qkv_gate_fused", "_fused_q_heads"} if k3_tree.minor < (0, 33) else set()
+    optional |= {"W_UV_dcp"} if k3_tree.minor < (0, 34) else set()
     needed -= optional
     # nn.Module's own methods are no contract of vLLM's.
     needed -= {"register_buffer", "register_parameter", "modules", "parameters"}

