@@ -5,7 +5,7 @@ Kimi-K3 builds its text model through vLLM's model registry (``KimiLinearForCaus
 those entries at this module (lazily, by name), so importing it is the hook that runs exactly when
 a Kimi-K3 model is built. vLLM's ``vllm.models.kimi_k3`` picks an implementation per platform;
 this module installs the folded MLA class of the one it picked and re-exports vLLM's model classes
-unchanged: the AMD implementation (ROCm, and the text model on XPU in vLLM 0.33) builds
+unchanged: the AMD implementation (ROCm, and the text model on XPU in vLLM 0.33 and 0.34) builds
 ``KimiK3MultiHeadLatentAttentionWrapper`` (:mod:`foldckpt.runtime.kimi_k3.amd`), the NVIDIA one
 (CUDA and CPU) ``MultiHeadLatentAttention`` (:mod:`foldckpt.runtime.kimi_k3.nvidia`). Nothing
 imports ``vllm.models.kimi_k3`` earlier: it is heavy, and importing it from ``register()`` crashes
