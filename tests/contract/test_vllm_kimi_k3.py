@@ -490,10 +490,10 @@ def test_rocm_decode_positions_and_vllms_own_fold_per_release(k3_tree: SourceTre
     vLLM has none, sized the same way, and clears the flag."""
     tree, why = k3_tree, "kimi_k3_rocm: zero positions for the kernel; no second fold beside the sidecar's"
     init = tree.source(AMD_MLA, ROCM, "__init__")
-    ours = foldckpt_tree.source("foldckpt.runtime.kimi_k3_rocm", "FoldedKimiK3Wrapper", "_fold_into_cache")
+    ours = foldckpt_tree.source("foldckpt.runtime.kimi_k3.amd", "FoldedKimiK3Wrapper", "_fold_into_cache")
     assert "positions = self._zero_positions[:slot_mapping.shape[0]]" in ours
     assert "_fold_qb_uk" in foldckpt_tree.assigned_attributes(
-        "foldckpt.runtime.kimi_k3_rocm", "FoldedKimiK3Wrapper", "__init__"
+        "foldckpt.runtime.kimi_k3.amd", "FoldedKimiK3Wrapper", "__init__"
     )
     if tree.minor < (0, 34):
         assert "_zero_positions" not in init and "_fold_qb_uk" not in init, f"{tree.label}: update this table"

