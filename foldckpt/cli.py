@@ -49,10 +49,9 @@ from foldckpt.options import COUNT, INDEX, SIZE, TP_SIZES, ConvertOptions, Verif
 from foldckpt.progress import human_bytes
 
 if TYPE_CHECKING:
-    from foldckpt.convert import ConvertResult
+    from foldckpt.convert import ConvertResult, Preflight
     from foldckpt.model.hub import ModelSource
     from foldckpt.inspect import Inspection
-    from foldckpt.convert.plan import ConversionPlan
     from foldckpt.verify import VerifyReport
 
 __all__ = ["cli", "human_bytes", "main"]
@@ -175,7 +174,17 @@ def _model_line(source: ModelSource) -> str:
     return f"{source.repo_id} (revision {source.revision}, commit {source.commit}, {source.path})"
 
 
-def _print_plan(plan: ConversionPlan, source: ModelSource) -> None:
+_STATES = {
+    "new": "a new directory",
+    "empty": "empty (or --overwrite): a fresh conversion",
+    "resume": "an interrupted conversion of these inputs and parameters: resumed",
+    "finished": "already converted with these inputs and parameters: nothing to fold",
+    "replace": "an earlier conversion, cleared first (--restart/--overwrite)",
+}
+
+
+def _print_plan(pre: Preflight, source: ModelSource) -> None:
+    plan = pre.plan
     g = plan.geometry
     layers = describe_layers(layer.layer for layer in plan.layers)
     click.echo(f"model      {_model_line(source)} ({g.architecture}, family {g.family})")
@@ -189,8 +198,15 @@ def _print_plan(plan: ConversionPlan, source: ModelSource) -> None:
     click.echo(f"fold       [{g.fold_shape[0]}, {g.fold_shape[1]}] {plan.fold_dtype} per layer, {human_bytes(plan.fold_bytes)} in all")
     for shard in plan.shards:
         click.echo(f"sidecar    {shard.name}  {len(shard.layers)} layer(s)  {human_bytes(shard.size)}")
-    click.echo(f"write      {human_bytes(plan.sidecar_bytes)} of sidecars; {len(plan.files_to_place)} source files "
-               f"({human_bytes(plan.source_bytes())}) placed unchanged")  # fmt: skip
+    state = _STATES[pre.state]
+    if pre.state == "resume":
+        state += f" ({pre.layers_done} of {len(plan.layers)} layers done)"
+    click.echo(f"out        {pre.out_dir}: {state}")
+    ways = {"hard": ("hard link", "hard links"), "copy": ("copy", "copies"), "symlink": ("symlink", "symlinks")}
+    counts = [f"{n} {ways[how][n != 1]}" for how in ways if (n := list(pre.placement.values()).count(how))]
+    copied = f" ({human_bytes(pre.copy_bytes)} copied)" if pre.copy_bytes else ""
+    click.echo(f"write      {human_bytes(pre.sidecar_bytes)} of sidecars; {len(pre.placement)} source file(s) to place"
+               + (f": {', '.join(counts)}{copied}" if counts else ""))  # fmt: skip
     per_gpu = ", ".join(f"TP{tp} {human_bytes(b)}" for tp, b in plan.extra_bytes_per_gpu().items())
     click.echo(f"GPU memory extra per rank: {per_gpu}")
 
@@ -252,25 +268,31 @@ def convert_command(
     """
     global _resumable
     source = _resolve(model_dir, revision)
-    if dry_run:
-        from foldckpt.convert.plan import plan_conversion
+    from foldckpt.convert import convert, preflight
 
-        plan = plan_conversion(source.path, flags["fold_dtype"], flags["max_shard_size"], flags["tp_sizes"])
+    options = options_from(ConvertOptions, flags, progress=not quiet and not as_json)
+    if dry_run:
+        pre = preflight(source, out_dir, options)
+        plan = pre.plan
         if as_json:
             _emit_json({
                 "model": str(source.path),
                 "source": source.to_dict(),
+                "out_dir": str(out_dir),
+                "state": pre.state,
                 "layers": [layer.layer.index for layer in plan.layers],
+                "layers_done": pre.layers_done,
                 "sidecars": {shard.name: shard.size for shard in plan.shards},
                 "fold_bytes": plan.fold_bytes,
                 "extra_bytes_per_gpu": plan.extra_bytes_per_gpu(),
+                "placement": pre.placement,
+                "sidecar_bytes_to_write": pre.sidecar_bytes,
+                "bytes_to_copy": pre.copy_bytes,
+                "free_bytes": pre.free_bytes,
             })  # fmt: skip
         else:
-            _print_plan(plan, source)
+            _print_plan(pre, source)
         return
-    from foldckpt.convert import convert
-
-    options = options_from(ConvertOptions, flags, progress=not quiet and not as_json)
     _resumable = True
     result = convert(source, out_dir, options)
     _resumable = False
@@ -343,8 +365,13 @@ def _print_inspection(info: Inspection) -> None:
     layers = describe_layers(g.layers)
     click.echo(f"MLA layers {len(g.layers)}: {layers}")
     click.echo(f"weights    {human_bytes(info.model_bytes)}")
+    if info.conversion is not None:
+        from foldckpt.inspect import describe_conversion
+
+        click.echo(f"conversion {describe_conversion(info.directory, info.conversion)}")
     if info.folded_layers is None:
-        click.echo("fold       not converted (no foldckpt.json)")
+        if info.conversion is None:
+            click.echo("fold       not converted (no foldckpt.json)")
         return
     if info.manifest_sha256 is not None:
         click.echo(f"sha256     {info.manifest_sha256}  foldckpt.json")

@@ -9,7 +9,9 @@ from typing import Any
 from foldckpt.model.checkpoint import open_source_checkpoint
 from foldckpt.errors import FoldckptError
 from foldckpt.model.geometry import Geometry, read_geometry
+from foldckpt.io.files import is_locked, lock_holder
 from foldckpt.model.hub import ModelSource
+from foldckpt.convert.journal import JOURNAL_NAME, Journal
 from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
 
 
@@ -41,6 +43,8 @@ class Inspection:
     source: dict[str, Any] | None = None
     # sha256 of the foldckpt.json file (as `sha256sum` prints it): what a user pins.
     manifest_sha256: str | None = None
+    # A conversion into this directory that is running or was interrupted (conversion_status).
+    conversion: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -55,7 +59,35 @@ class Inspection:
             "sidecars": self.sidecars,
             "source": self.source,
             "manifest_sha256": self.manifest_sha256,
+            "conversion": self.conversion,
         }
+
+
+def conversion_status(directory: Path) -> dict[str, Any] | None:
+    """A conversion into ``directory`` that is running (``{"state": "running", "pid"}``: its lock
+    is held) or was interrupted (``{"state": "interrupted", "layers_done", "layers_total",
+    "model"}``: a journal and no manifest), else None."""
+    if is_locked(directory):
+        return {"state": "running", "pid": lock_holder(directory)}
+    if (directory / MANIFEST_NAME).exists() or not (directory / JOURNAL_NAME).exists():
+        return None
+    journal = Journal.load(directory / JOURNAL_NAME)
+    model = None if journal.model is None else str(journal.model)
+    done, total = journal.layers_done(), journal.layers
+    return {"state": "interrupted", "layers_done": done, "layers_total": total, "model": model}
+
+
+def describe_conversion(directory: Path, status: dict[str, Any]) -> str:
+    """One line saying what ``conversion_status`` found and what to do."""
+    if status["state"] == "running":
+        pid = f" (pid {status['pid']})" if status["pid"] else ""
+        return f"a conversion is running{pid}; wait for it to finish"
+    total = f" of {status['layers_total']}" if status["layers_total"] is not None else ""
+    model = status["model"] or "MODEL_DIR"
+    return (
+        f"interrupted conversion: {status['layers_done']}{total} layers done; resume with: "
+        f"foldckpt convert {model} {directory} (the same options), or pass --restart to start over"
+    )
 
 
 def inspect_dir(directory: Path | ModelSource) -> Inspection:
@@ -63,11 +95,20 @@ def inspect_dir(directory: Path | ModelSource) -> Inspection:
     directory = origin.path
     if not directory.is_dir():  # before config.json: a missing directory is not a missing config
         raise FoldckptError(f"{directory}: not a directory" if directory.exists() else f"{directory}: no such directory")
-    geometry = read_geometry(directory)
-    source = open_source_checkpoint(directory)
+    conversion = conversion_status(directory)
+    try:
+        geometry = read_geometry(directory)
+        source = open_source_checkpoint(directory)
+    except FoldckptError:
+        if conversion is None:
+            raise
+        # killed while placing the sources: nothing to show but that
+        raise FoldckptError(f"{directory}: {describe_conversion(directory, conversion)}") from None
     model_bytes = sum(header.file_size for header in source.headers.values())
     if not (directory / MANIFEST_NAME).exists():
-        return Inspection(directory, geometry, model_bytes, None, None, 0, {}, source=origin.to_dict())
+        return Inspection(
+            directory, geometry, model_bytes, None, None, 0, {}, source=origin.to_dict(), conversion=conversion
+        )
     manifest = read_manifest(directory)
     fold_bytes = manifest.fold_bytes()
     mtp = {layer.index: layer.is_mtp for layer in manifest.geometry.layers}
@@ -87,4 +128,5 @@ def inspect_dir(directory: Path | ModelSource) -> Inspection:
         sidecars={name: record.size for name, record in manifest.sidecars.items()},
         source=manifest.source or origin.to_dict(),
         manifest_sha256=manifest.file_sha256,
+        conversion=conversion,
     )

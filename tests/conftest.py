@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -72,3 +72,37 @@ def converted(tmp_path: Path, make_model: Callable[..., Path]) -> Callable[..., 
         return model_dir, out_dir
 
     return factory
+
+
+@pytest.fixture
+def small_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A real 8 MB tmpfs (root with CAP_SYS_ADMIN only; CI runs as root)."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs for a real ENOSPC ({mounted.stderr.strip()}); "
+                    "the EFBIG test covers the same error path")  # fmt: skip
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@pytest.fixture()
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """A real read-only mount (a bind mount of an empty directory remounted read-only; root with
+    CAP_SYS_ADMIN only, as the tmpfs above), on which every write and every unlink fails with EROFS."""
+    mount_point = tmp_path / "read-only"
+    mount_point.mkdir()
+    for command in (["mount", "--bind", mount_point, mount_point], ["mount", "-o", "remount,bind,ro", mount_point]):
+        mounted = subprocess.run(command, capture_output=True, text=True)
+        if mounted.returncode != 0:
+            subprocess.run(["umount", "-l", str(mount_point)], check=False, capture_output=True)
+            pytest.skip(f"cannot make a read-only mount ({mounted.stderr.strip()})")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)

@@ -8,6 +8,7 @@ an uninterrupted one; the manifest is written last and its presence means "finis
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import os
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from foldckpt.model.checkpoint import INDEX_NAME, stays_inside
+from foldckpt.model.checkpoint import INDEX_NAME
 from foldckpt.format.consistency import heads_intact, sidecar_intact
 from foldckpt.defaults import (
     ACCUMULATION_DTYPE,
@@ -39,20 +40,25 @@ from foldckpt.io.direct_io import DiskPriority
 from foldckpt.errors import FoldckptError
 from foldckpt.io.files import (
     atomic_output,
+    busy_error,
+    check_removable,
     exclusive_lock,
     fingerprint,
+    is_locked,
     is_tmp_path,
     os_error,
     place_file,
+    remove_placed,
     remove_stale_tmp_files,
     sha256_file,
     tmp_path_for,
+    vanished,
     worker_pool,
 )
 from foldckpt.io.hashing import default_workers
 from foldckpt.model.hub import ModelSource
 from foldckpt.inspect import FoldedLayer
-from foldckpt.convert.journal import JOURNAL_NAME, Journal, ShardProgress, run_key
+from foldckpt.convert.journal import JOURNAL_NAME, Journal, ShardProgress, differences, manifest_identity, run_identity, run_key
 from foldckpt.format.manifest import (
     MANIFEST_NAME,
     FileRecord,
@@ -147,19 +153,20 @@ def _output_parameters(plan: ConversionPlan, options: ConvertOptions, device: st
     }
 
 
-def _clear_previous_run(out_dir: Path, placed: Iterable[str]) -> None:
-    """Remove what an earlier run wrote: sidecars, the source files it placed (``placed``: links or
-    copies inside OUT_DIR, never the originals), journal and manifest, so that a restart onto
-    another model leaves nothing of the old one behind. Names whose text leaves OUT_DIR are not
-    touched; a placed symlink is removed itself, whatever it points to. The journal and the
-    manifest go last: a restart killed midway leaves OUT_DIR still reading as a foldckpt output,
-    which the same command then clears (removed first, the rest read as foreign files)."""
-    sources = [out_dir / name for name in placed if stays_inside(name)]
-    for path in [
-        *out_dir.glob(f"{SIDECAR_PREFIX}*.safetensors"), *sources, out_dir / JOURNAL_NAME, out_dir / MANIFEST_NAME
-    ]:  # fmt: skip
-        path.unlink(missing_ok=True)
-    remove_stale_tmp_files(out_dir)
+def _previous_run(out_dir: Path, placed: Iterable[str]) -> dict[str, bool]:
+    """What clearing an earlier run removes (name: whether it may be a symlink), checked: its
+    sidecars, the source files it placed (``placed``: links or copies inside OUT_DIR, never the
+    originals), journal and manifest, so that a restart onto another model leaves nothing of the
+    old one behind. The names come from a manifest or journal found in OUT_DIR, which anyone who
+    can write there can edit: each must be a regular file (or, among the sources, a symlink:
+    ``--link symlink``) reached without a symlink on the way, else the run is refused before the
+    first removal (:func:`check_removable`). The journal and the manifest go last: a restart
+    killed midway leaves OUT_DIR still reading as a foldckpt output, which the same command then
+    clears (removed first, the rest read as foreign files)."""
+    sidecars = sorted(path.name for path in out_dir.glob(f"{SIDECAR_PREFIX}*.safetensors"))
+    entries = {**dict.fromkeys(sidecars, False), **dict.fromkeys(placed, True)}
+    entries.update({JOURNAL_NAME: False, MANIFEST_NAME: False})
+    return {name: links for name, links in entries.items() if check_removable(out_dir, name, links)}
 
 
 def _remove(path: Path) -> None:
@@ -167,6 +174,17 @@ def _remove(path: Path) -> None:
         path.unlink()
     except OSError as exc:
         raise os_error(path, exc, "removing") from None
+
+
+def _size(path: Path) -> int:
+    """The size of a file the plan found (a source, or its placed copy or link), or one line naming
+    it when it is gone since: another process may remove a file while convert runs."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        raise vanished(path) from None
+    except OSError as exc:
+        raise os_error(path, exc, "reading") from None
 
 
 def _holds_foreign_files(out_dir: Path) -> bool:
@@ -283,7 +301,7 @@ def _recheck_journal(plan: ConversionPlan, out_dir: Path, journal: Journal, gene
         if now != journal.fingerprints.get(shard.name, {}).get("out") and not _sidecar_holds(path, progress, plan):
             journal.shards[shard.name] = ShardProgress()
             journal.fingerprints.pop(shard.name, None)
-            path.unlink()
+            remove_placed(out_dir, {shard.name: False})
             redo.append(shard.name)
     return redo
 
@@ -352,72 +370,153 @@ def _recheck_manifest(
         return None, []
     journal.save()  # before the manifest goes: OUT_DIR must always read as ours
     (out_dir / MANIFEST_NAME).unlink()
-    for name in damaged:
-        if name in manifest.sidecars:
-            (out_dir / name).unlink(missing_ok=True)
+    remove_placed(out_dir, {name: False for name in damaged if name in manifest.sidecars})
     return journal, damaged
 
 
-def _prepare_out_dir(
-    plan: ConversionPlan, out_dir: Path, key: str, generated: dict[str, bytes], options: ConvertOptions
-) -> tuple[Journal | None, list[str]]:
-    """Decide between a fresh run, a resume (or repair), or "already done" (returns None, []);
-    refuse the rest. Returns the journal and the names found damaged (to be redone)."""
+@dataclass(frozen=True)
+class _Found:
+    """What OUT_DIR holds for a run of one run key, read without changing anything: ``new`` (no
+    OUT_DIR yet), ``empty`` (nothing of ours, nothing foreign, or ``--overwrite``), ``resume`` (an
+    unfinished run of this key: ``journal``), ``finished`` (a finished run of this key:
+    ``manifest``) or ``replace`` (an earlier run that ``--restart`` or ``--overwrite`` clears:
+    ``clear``, the entries to remove). Every other case is refused."""
+
+    state: str
+    journal: Journal | None = None
+    manifest: Manifest | None = None
+    clear: dict[str, bool] = field(default_factory=dict)
+
+
+def _find(out_dir: Path, key: str, identity: dict[str, Any], options: ConvertOptions) -> _Found:
+    """Decide between a fresh run, a resume (or repair), "already done", or clearing an earlier
+    run; refuse the rest, saying which input or parameter differs from the earlier run's."""
+    if not out_dir.exists():
+        return _Found("new")
     journal_path = out_dir / JOURNAL_NAME
     discard = options.restart or options.overwrite
     if (out_dir / MANIFEST_NAME).exists():
         if discard:  # whatever the manifest is (another format, edited): it only names what to remove
-            _clear_previous_run(out_dir, listed_files(out_dir))
-        else:
-            manifest = read_manifest(out_dir)
-            if manifest.parameters.get("run_key") == key:
-                if journal_path.exists():  # only then: removing nothing fails too on a read-only filesystem
-                    _remove(journal_path)
-                return _recheck_manifest(plan, out_dir, manifest, key, generated)
-            raise FoldckptError(
-                f"{out_dir}: holds a finished conversion of other inputs or parameters; "
-                "pass --restart to replace it"
-            )
-    elif journal_path.exists():
+            return _Found("replace", clear=_previous_run(out_dir, listed_files(out_dir)))
+        manifest = read_manifest(out_dir)
+        if manifest.parameters.get("run_key") == key:
+            return _Found("finished", manifest=manifest)
+        raise FoldckptError(
+            f"{out_dir}: holds a finished conversion of other inputs or parameters"
+            f"{differences(manifest_identity(manifest), identity)}; pass --restart to replace it"
+        )
+    if journal_path.exists():
         journal = Journal.load(journal_path)
         if journal.run_key == key and not discard:
-            redo = _recheck_journal(plan, out_dir, journal, generated)
-            journal.save()
-            return journal, redo
+            return _Found("resume", journal=journal)
         if not discard:
             raise FoldckptError(
-                f"{out_dir}: holds an unfinished conversion of other inputs or parameters; "
-                "refusing to mix results: pass --restart to start over"
+                f"{out_dir}: holds an unfinished conversion of other inputs or parameters"
+                f"{differences(journal.identity, identity)}; refusing to mix results: pass --restart to start over"
             )
-        _clear_previous_run(out_dir, journal.placed)
-    elif not options.overwrite and _holds_foreign_files(out_dir):
+        return _Found("replace", clear=_previous_run(out_dir, journal.placed))
+    if not options.overwrite and _holds_foreign_files(out_dir):
         raise FoldckptError(
             f"{out_dir}: not empty and not a foldckpt output; choose an empty directory or pass --overwrite"
         )
-    journal = Journal(journal_path, key)
+    return _Found("empty")
+
+
+def _prepare_out_dir(
+    plan: ConversionPlan, out_dir: Path, key: str, identity: dict[str, Any], generated: dict[str, bytes],
+    options: ConvertOptions,
+) -> tuple[Journal | None, list[str]]:  # fmt: skip
+    """Act on what OUT_DIR holds (:func:`_find`, again under the lock). Returns the journal of the
+    run (None: already done) and the names found damaged (to be redone)."""
+    found = _find(out_dir, key, identity, options)
+    journal_path = out_dir / JOURNAL_NAME
+    if found.manifest is not None:
+        if journal_path.exists():  # only then: removing nothing fails too on a read-only filesystem
+            _remove(journal_path)
+        return _recheck_manifest(plan, out_dir, found.manifest, key, generated)
+    if found.journal is not None:
+        redo = _recheck_journal(plan, out_dir, found.journal, generated)
+        found.journal.save()
+        return found.journal, redo
+    if found.clear:
+        remove_placed(out_dir, found.clear)
+        remove_stale_tmp_files(out_dir)
+    journal = Journal(journal_path, key, identity=identity, model=plan.source.model_dir, layers=len(plan.layers))
     journal.save()  # before any other file: a killed run must leave an OUT_DIR that reads as ours
     return journal, []
 
 
-def _check_free_space(plan: ConversionPlan, out_dir: Path, journal: Journal, link: str) -> None:
-    to_place = [name for name in plan.files_to_place if name not in journal.placed]
-    _require_free_space(
-        plan, out_dir, sum(s.size for s in plan.shards if not journal.shard(s.name).done),
-        to_place + _placed_otherwise(journal.placed, link, journal.placed.__getitem__), link,
-    )  # fmt: skip
+def _to_place(plan: ConversionPlan, out_dir: Path, found: _Found | Journal, link: str) -> tuple[list[str], int]:
+    """The source files a run places (again) and the sidecar bytes it writes, given what OUT_DIR
+    holds (``found``, or the journal of the run under way)."""
+    journal = found if isinstance(found, Journal) else found.journal
+    if journal is not None:
+        names = [name for name in plan.files_to_place if name not in journal.placed]
+        names += _placed_otherwise(journal.placed, link, journal.placed.__getitem__)
+        return names, sum(s.size for s in plan.shards if not journal.shard(s.name).done)
+    if isinstance(found, _Found) and found.manifest is not None:
+        model_dir = plan.source.model_dir
+        return _placed_otherwise(plan.files_to_place, link, lambda n: _how_placed(out_dir / n, model_dir / n)), 0
+    return list(plan.files_to_place), plan.sidecar_bytes
 
 
-def _require_free_space(plan: ConversionPlan, out_dir: Path, needed: int, to_place: list[str], link: str) -> None:
-    """Refuse before writing when OUT_DIR's filesystem cannot hold ``needed`` bytes of sidecars
-    plus the source files ``to_place`` that become copies."""
-    same_device = os.stat(plan.source.model_dir).st_dev == os.stat(out_dir).st_dev
-    if link == "copy" or (link == "auto" and not same_device):
-        needed += sum((plan.source.model_dir / name).stat().st_size for name in to_place)
-    free = shutil.disk_usage(out_dir).free
+def _placement(plan: ConversionPlan, out_dir: Path, names: list[str], link: str) -> dict[str, str]:
+    """How each source file of ``names`` will be placed: ``hard``, ``copy`` or ``symlink``. ``auto``
+    hard-links a file on OUT_DIR's filesystem (that of the file a Hugging Face snapshot entry
+    links to) and copies the others; ``--link hard`` across filesystems is refused here, before
+    anything is written, where link(2) would fail after the first files were placed."""
+    if link in ("copy", "symlink"):
+        return dict.fromkeys(names, link)
+    device = os.stat(_nearest_existing(out_dir)).st_dev
+    placement: dict[str, str] = {}
+    for name in names:
+        source = plan.source.model_dir / name
+        try:
+            same = os.stat(source).st_dev == device
+        except FileNotFoundError:
+            raise vanished(source) from None
+        if not same and link == "hard":
+            raise FoldckptError.at(
+                source, f"on another filesystem than {out_dir}: --link hard cannot link across filesystems; "
+                "use --link auto (copies such files) or --link copy"
+            )  # fmt: skip
+        placement[name] = "hard" if same else "copy"
+    return placement
+
+
+def _require_free_space(plan: ConversionPlan, out_dir: Path, sidecar_bytes: int, placement: dict[str, str]) -> int:
+    """Refuse before writing when OUT_DIR's filesystem cannot hold ``sidecar_bytes`` plus the
+    source files that ``placement`` copies; returns the bytes free."""
+    needed = sidecar_bytes + _copy_bytes(plan, placement)
+    free = shutil.disk_usage(_nearest_existing(out_dir)).free
     if needed > free:
         raise FoldckptError(
             f"{out_dir}: needs {needed / 1e9:.3g} GB free but has {free / 1e9:.3g} GB; free space first"
         )
+    return free
+
+
+def _copy_bytes(plan: ConversionPlan, placement: dict[str, str]) -> int:
+    return sum(_size(plan.source.model_dir / name) for name, how in placement.items() if how == "copy")
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` or, where it does not exist yet, the nearest parent that does (where it will be)."""
+    return next(folder for folder in (path, *path.absolute().parents) if folder.exists())
+
+
+def _check_writable(out_dir: Path) -> None:
+    """Refuse an OUT_DIR that cannot be written (or, not there yet, made): a read-only filesystem
+    or no write permission, said before anything is written (the journal's first save failed)."""
+    folder = _nearest_existing(out_dir)
+    if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        problem = errno.EROFS
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        problem = errno.EACCES
+    else:
+        return
+    action = "writing" if folder == out_dir else f"creating {out_dir}"
+    raise os_error(folder, OSError(problem, os.strerror(problem)), action)
 
 
 def _place_sources(
@@ -428,12 +527,12 @@ def _place_sources(
     fingerprints that later runs check it against."""
     otherwise = set(_placed_otherwise(journal.placed, options.link, journal.placed.__getitem__))
     todo = [n for n in plan.files_to_place if not (n in journal.placed and (out_dir / n).exists()) or n in otherwise]
-    total = sum((plan.source.model_dir / n).stat().st_size for n in todo)
+    total = sum(_size(plan.source.model_dir / n) for n in todo)
     with progress_bar(total, "placing sources", "B", options.progress) as bar:
         for name in todo:
-            size = (plan.source.model_dir / name).stat().st_size
+            size = _size(plan.source.model_dir / name)
             with counters.timed("place"):
-                how = place_file(plan.source.model_dir / name, out_dir / name, options.link, progress=None)
+                how = place_file(plan.source.model_dir / name, out_dir / name, options.link, root=out_dir)
             bar.update(size)
             if how == "copy":
                 counters.add(read=size, written=size, copied=size)
@@ -443,7 +542,7 @@ def _place_sources(
     for name, data in generated.items():
         if name in journal.placed and (out_dir / name).exists():
             continue
-        with atomic_output(out_dir / name) as handle:
+        with atomic_output(out_dir / name, out_dir) as handle:
             handle.write(data)
         counters.add(written=len(data))
         journal.placed[name] = "generated"
@@ -470,10 +569,10 @@ def _replace_placed_otherwise(plan: ConversionPlan, out_dir: Path, link: str) ->
     names = _placed_otherwise(plan.files_to_place, link, lambda name: _how_placed(out_dir / name, model_dir / name))
     if not names:
         return []
-    _require_free_space(plan, out_dir, 0, names, link)
+    _require_free_space(plan, out_dir, 0, _placement(plan, out_dir, names, link))
     for name in names:
-        place_file(model_dir / name, out_dir / name, link, progress=None)
-    os.utime(out_dir / MANIFEST_NAME)
+        place_file(model_dir / name, out_dir / name, link, root=out_dir)
+    os.utime(out_dir / MANIFEST_NAME, follow_symlinks=False)
     return names
 
 
@@ -507,7 +606,7 @@ def _source_reads(
     for position, layer in enumerate(todo):
         for file, _ in layer.input_tensors():
             first_use.setdefault(file, position)
-    sizes = {n: (out_dir / n).stat().st_size for n in journal.placed if n not in journal.source_hashes}
+    sizes = {n: _size(out_dir / n) for n in journal.placed if n not in journal.source_hashes}
     order = sorted(sizes, key=lambda n: (first_use.get(n, len(todo)), -sizes[n]))
 
     def on_hashed(name: str, record: FileRecord) -> None:
@@ -531,7 +630,7 @@ def _hash_and_fold(
     todo = _fold_order(plan, journal)
     cores = os.cpu_count() or 1
     hashers = options.workers or default_workers()
-    source_bytes = sum((out_dir / n).stat().st_size for n in journal.placed if n not in journal.source_hashes)
+    source_bytes = sum(_size(out_dir / n) for n in journal.placed if n not in journal.source_hashes)
     folded: list[str] = []
     with (
         progress_bar(len(plan.layers), "folding", "layer", options.progress, position=1) as fold_bar,
@@ -787,42 +886,134 @@ def _outcomes(plan: ConversionPlan, manifest: Manifest, status: dict[str, str]) 
     )
 
 
+@dataclass(frozen=True)
+class Preflight:
+    """What ``convert`` would do to OUT_DIR with these options, found by every check the run makes
+    before it writes, and nothing written: ``--dry-run`` shows it, and the run starts with it, so
+    that the two refuse alike. ``state``: new, empty, resume, finished or replace (see
+    :class:`_Found`); ``placement``: how each source file this run places will be placed (hard,
+    copy or symlink); ``layers_done``: folded by an earlier run."""
+
+    plan: ConversionPlan
+    origin: ModelSource
+    out_dir: Path
+    state: str
+    placement: dict[str, str]
+    sidecar_bytes: int
+    copy_bytes: int
+    free_bytes: int
+    layers_done: int
+    key: str
+    identity: dict[str, Any]
+    parameters: dict[str, Any]
+    generated: dict[str, bytes]
+    device: str
+
+
+def preflight(model_dir: Path | ModelSource, out_dir: Path, options: ConvertOptions = ConvertOptions()) -> Preflight:
+    """Plan the conversion and make every check that ``convert`` makes before it writes: OUT_DIR
+    not overlapping MODEL_DIR, a directory, not being written by another convert, its contents
+    (an earlier run of other inputs or parameters, foreign files, entries a clearing may not
+    remove), ``--link hard`` across filesystems, writable, and room for what will be written."""
+    origin = model_dir if isinstance(model_dir, ModelSource) else ModelSource(Path(model_dir))
+    out_dir = Path(out_dir)
+    source = origin.to_dict()
+    plan = plan_conversion(origin.path, options.fold_dtype, options.max_shard_size, options.tp_sizes)
+    device = resolve_fold_device(options.device)
+    parameters = _output_parameters(plan, options, device)
+    # The manifest records where a Hub model came from, so that identity is part of the run too.
+    generated = _generated_files(plan)
+    identity = run_identity(
+        [*plan.files_to_place, *generated], parameters if source is None else {**parameters, "source": source}
+    )
+    _check_overlap(origin.path, out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FoldckptError(f"{out_dir}: exists and is not a directory; choose a directory for the output")
+    if out_dir.is_dir() and is_locked(out_dir):
+        raise busy_error(out_dir)
+    key = run_key(identity)
+    found = _find(out_dir, key, identity, options)
+    names, sidecar_bytes = _to_place(plan, out_dir, found, options.link)
+    if found.state != "finished" or names:  # a finished output with nothing to place may be read-only
+        _check_writable(out_dir)
+    placement = _placement(plan, out_dir, names, options.link)
+    free = _require_free_space(plan, out_dir, sidecar_bytes, placement)
+    copied = _copy_bytes(plan, placement)
+    layers_done = len(plan.layers) if found.manifest else found.journal.layers_done() if found.journal else 0
+    return Preflight(
+        plan, origin, out_dir, found.state, placement, sidecar_bytes, copied, free, layers_done, key, identity,
+        parameters, generated, device,
+    )  # fmt: skip
+
+
 def convert(
     model_dir: Path | ModelSource, out_dir: Path, options: ConvertOptions = ConvertOptions()
 ) -> ConvertResult:
     """Fold every MLA layer of ``model_dir`` into sidecars in ``out_dir`` (resumable, idempotent).
 
     ``model_dir`` is a directory, or a :class:`~foldckpt.model.hub.ModelSource` (a Hugging Face cache
-    snapshot, whose id and commit the manifest then records).
+    snapshot, whose id and commit the manifest then records). A run refused before its first
+    durable step leaves OUT_DIR as it found it: what it created for it is removed again.
     """
     started = time.monotonic()
-    origin = model_dir if isinstance(model_dir, ModelSource) else ModelSource(Path(model_dir))
-    model_dir, out_dir = origin.path, Path(out_dir)
-    source = origin.to_dict()
-    plan = plan_conversion(model_dir, options.fold_dtype, options.max_shard_size, options.tp_sizes)
-    device = resolve_fold_device(options.device)
-    parameters = _output_parameters(plan, options, device)
-    # The manifest records where a Hub model came from, so that identity is part of the run too.
-    generated = _generated_files(plan)
-    key = run_key([*plan.files_to_place, *generated], parameters if source is None else {**parameters, "source": source})
-    sidecars = {shard.name: shard.size for shard in plan.shards}
-    _check_overlap(model_dir, out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FoldckptError(f"{out_dir}: exists and is not a directory; choose a directory for the output")
+    pre = preflight(model_dir, out_dir, options)
+    created = _make_out_dir(pre.out_dir)
+    try:
+        with exclusive_lock(pre.out_dir):  # for the whole run: a second convert into OUT_DIR is refused
+            return _convert_locked(pre, options, started)
+    except FoldckptError:
+        _undo_creation(pre.out_dir, created)
+        raise
+
+
+def _make_out_dir(out_dir: Path) -> list[tuple[Path, tuple[int, int] | None]]:
+    """Create OUT_DIR (and missing parents); returns the folders created, deepest first, each with
+    its identity (device, inode) so that only these very folders are ever removed again."""
+    missing = []
+    folder = out_dir.absolute()
+    while not folder.exists() and not folder.is_symlink():
+        missing.append(folder)
+        folder = folder.parent
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise os_error(out_dir, exc, "creating the output directory") from None
-    with exclusive_lock(out_dir):  # for the whole run: a second convert into OUT_DIR is refused
-        return _convert_locked(plan, origin, out_dir, options, key, parameters, generated, sidecars, started, device)
+    return [(folder, _identity(folder)) for folder in missing]
 
 
-def _convert_locked(
-    plan: ConversionPlan, origin: ModelSource, out_dir: Path, options: ConvertOptions, key: str,
-    parameters: dict[str, Any], generated: dict[str, bytes], sidecars: dict[str, int], started: float, device: str,
-) -> ConvertResult:  # fmt: skip
+def _undo_creation(out_dir: Path, created: list[tuple[Path, tuple[int, int] | None]]) -> None:
+    """After a refusal, remove the OUT_DIR this run created while it holds nothing durable (a
+    journal that records no placed file and no fold, temporary files); a refused run then leaves
+    no directory behind that reads as an unfinished conversion. Work a rerun resumes is kept."""
+    if not created:
+        return
+    try:
+        journal = Journal.load(out_dir / JOURNAL_NAME) if (out_dir / JOURNAL_NAME).exists() else None
+    except FoldckptError:
+        return
+    if journal is not None and (journal.placed or journal.shards):
+        return
+    try:
+        remove_placed(out_dir, {JOURNAL_NAME: False})
+        remove_stale_tmp_files(out_dir)
+    except FoldckptError:
+        return
+    for folder, identity in created:  # deepest first; rmdir removes only an empty directory
+        if folder.is_symlink() or _identity(folder) != identity:
+            return
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def _convert_locked(pre: Preflight, options: ConvertOptions, started: float) -> ConvertResult:
+    plan, origin, out_dir, key = pre.plan, pre.origin, pre.out_dir, pre.key
+    generated, device = pre.generated, pre.device
+    parameters = dict(pre.parameters)
+    sidecars = {shard.name: shard.size for shard in plan.shards}
     source = origin.to_dict()
-    journal, repaired = _prepare_out_dir(plan, out_dir, key, generated, options)
+    journal, repaired = _prepare_out_dir(plan, out_dir, key, pre.identity, generated, options)
     if journal is None:
         replaced = _replace_placed_otherwise(plan, out_dir, options.link)
         manifest = read_manifest(out_dir)
@@ -834,7 +1025,9 @@ def _convert_locked(
             fold_device=str(manifest.parameters.get("fold_device", device)), replaced=tuple(replaced),
         )  # fmt: skip
     remove_stale_tmp_files(out_dir, keep={tmp_path_for(out_dir / name) for name in journal.shards})
-    _check_free_space(plan, out_dir, journal, options.link)
+    if repaired:  # more to write than the preflight counted (which, made again now, would count the journal too)
+        names, sidecar_bytes = _to_place(plan, out_dir, journal, options.link)
+        _require_free_space(plan, out_dir, sidecar_bytes, _placement(plan, out_dir, names, options.link))
 
     counters = IOCounters()
     _place_sources(plan, out_dir, journal, options, generated, counters)

@@ -19,27 +19,65 @@ from typing import Any
 from foldckpt import __version__
 from foldckpt.errors import FoldckptError
 from foldckpt.io.files import atomic_write_json, parse_json
-from foldckpt.format.manifest import FORMAT_VERSION
+from foldckpt.format.manifest import FORMAT_VERSION, Manifest
 
 JOURNAL_NAME = ".foldckpt-journal.json"
 
 
-def run_key(files: tuple[str, ...] | list[str], parameters: dict[str, Any]) -> str:
+def run_identity(files: tuple[str, ...] | list[str], parameters: dict[str, Any]) -> dict[str, Any]:
     """Identity of a conversion: the tool, the output-shaping parameters and the names of the
-    files OUT_DIR holds.
+    files OUT_DIR holds (what :func:`run_key` digests, and what a refusal compares field by field).
 
-    The files' bytes are not part of the key: convert checks, file by file, that every placed
-    file still holds the bytes recorded (a fingerprint of device, inode, size, mtime and ctime
-    first, sha256 where it differs), so that a change is named, and a mere ``touch`` costs a
-    rehash of that file rather than a restart.
+    The files' bytes are not part of it: convert checks, file by file, that every placed file
+    still holds the bytes recorded (a fingerprint of device, inode, size, mtime and ctime first,
+    sha256 where it differs), so that a change is named, and a mere ``touch`` costs a rehash of
+    that file rather than a restart.
     """
-    identity = {
+    return {
         "tool_version": __version__,
         "format_version": FORMAT_VERSION,
         "parameters": parameters,
         "sources": sorted(files),
     }
+
+
+def run_key(identity: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def manifest_identity(manifest: Manifest) -> dict[str, Any]:
+    """The identity (:func:`run_identity`) of the run that wrote ``manifest``."""
+    parameters = {name: value for name, value in manifest.parameters.items() if name != "run_key"}
+    if manifest.source is not None:
+        parameters["source"] = manifest.source
+    identity = run_identity(list(manifest.source_files), parameters)
+    return {**identity, "tool_version": manifest.tool_version, "format_version": manifest.format_version}
+
+
+def differences(old: dict[str, Any] | None, new: dict[str, Any], limit: int = 3) -> str:
+    """What differs between the identity of the run found in OUT_DIR (``old``, None where an
+    older journal did not record it) and this one's, for a refusal: `` (fold_dtype: bfloat16 in
+    OUT_DIR, float32 now)``; empty when nothing can be named."""
+    if not old:
+        return ""
+    found: list[str] = []
+    for field_name, label in (("tool_version", "foldckpt version"), ("format_version", "manifest format")):
+        if old.get(field_name) != new[field_name]:
+            found.append(f"{label}: {old.get(field_name)} in OUT_DIR, {new[field_name]} now")
+    before, now = old.get("parameters") or {}, new["parameters"]
+    for name in sorted(before.keys() | now.keys()):
+        if before.get(name) != now.get(name):
+            found.append(f"{name}: {_shown(before.get(name))} in OUT_DIR, {_shown(now.get(name))} now")
+    before_files, now_files = set(old.get("sources") or ()), set(new["sources"])
+    for names, what in ((before_files - now_files, "not in the model now"), (now_files - before_files, "new in the model")):
+        if names:
+            shown = sorted(names)
+            found.append(f"source files {what}: {', '.join(shown[:limit])}{' ...' if len(shown) > limit else ''}")
+    return f" ({'; '.join(found)})" if found else ""
+
+
+def _shown(value: Any) -> str:
+    return "none" if value is None else json.dumps(value, sort_keys=True) if isinstance(value, dict) else str(value)
 
 
 @dataclass
@@ -55,6 +93,12 @@ class ShardProgress:
 class Journal:
     path: Path
     run_key: str
+    # What run_key digests (run_identity): a refusal names the field that differs. None in
+    # journals written before it was recorded.
+    identity: dict[str, Any] | None = None
+    # For ``inspect`` of an interrupted conversion: the model converted and its MLA layer count.
+    model: Path | None = None
+    layers: int | None = None
     placed: dict[str, str] = field(default_factory=dict)
     shards: dict[str, ShardProgress] = field(default_factory=dict)
     source_hashes: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -74,6 +118,9 @@ class Journal:
             self.path,
             {
                 "run_key": self.run_key,
+                "identity": self.identity,
+                "model": None if self.model is None else str(self.model),
+                "layers": self.layers,
                 "placed": self.placed,
                 "shards": {
                     name: {"offset": s.offset, "tensors": s.tensors, "done": s.done}
@@ -87,6 +134,10 @@ class Journal:
     def shard(self, name: str) -> ShardProgress:
         return self.shards.setdefault(name, ShardProgress())
 
+    def layers_done(self) -> int:
+        """The layers whose folds are durably in a sidecar."""
+        return sum(len(progress.tensors) for progress in self.shards.values())
+
     @classmethod
     def load(cls, path: Path) -> Journal:
         try:
@@ -94,6 +145,9 @@ class Journal:
             return cls(
                 path=path,
                 run_key=str(data["run_key"]),
+                identity=dict(data["identity"]) if data.get("identity") else None,
+                model=Path(data["model"]) if data.get("model") else None,
+                layers=int(data["layers"]) if data.get("layers") is not None else None,
                 placed=dict(data["placed"]),
                 shards={
                     name: ShardProgress(int(s["offset"]), dict(s["tensors"]), s["done"])

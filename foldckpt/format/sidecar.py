@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import stat
 from pathlib import Path
 
 from foldckpt.defaults import SIDECAR_HEADER_ALIGN
@@ -47,12 +48,7 @@ class ShardWriter:
             self.layout[spec.name] = TensorInfo(spec.name, spec.dtype, spec.shape, cursor, cursor + spec.nbytes)
             cursor += spec.nbytes
         try:
-            resume = (
-                resume_offset >= len(header) and self.tmp.is_file() and self.tmp.stat().st_size >= resume_offset
-                and _starts_with(self.tmp, header)  # not a damaged header, nor another layout's
-            )  # fmt: skip
-            kept = resume_offset if resume else 0
-            fd = os.open(self.tmp, os.O_RDWR if resume else os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+            fd, kept = _open_tmp(self.tmp, header, resume_offset)
             try:
                 os.ftruncate(fd, kept)
                 self._out = DurableAppender(self.tmp, fd, kept, priority)
@@ -134,6 +130,34 @@ class ShardWriter:
             self._fd = None
 
 
-def _starts_with(path: Path, prefix: bytes) -> bool:
-    with open(path, "rb") as handle:
-        return handle.read(len(prefix)) == prefix
+def _open_tmp(tmp: Path, header: bytes, resume_offset: int) -> tuple[int, int]:
+    """A descriptor of the temporary shard and the bytes of it to keep: the one a killed run left,
+    where it is this conversion's (a regular file of ours, with no other name, that begins with
+    ``header`` and holds ``resume_offset`` bytes), else a new one.
+
+    Never through a link: a symlink planted at the temporary name after a kill had the resume
+    truncate and append to the file it points to, anywhere, and a hard link to another file
+    shares that file's bytes. Such an entry, or anything else not ours, is removed (the entry
+    itself) and the shard starts over."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+    if resume_offset >= len(header):
+        try:
+            fd = os.open(tmp, flags)
+        except OSError:  # missing, a link (ELOOP), a directory...: start over
+            fd = -1
+        if fd >= 0:
+            if _ours(fd, header, resume_offset):
+                return fd, resume_offset
+            os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    return os.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o666), 0
+
+
+def _ours(fd: int, header: bytes, resume_offset: int) -> bool:
+    try:
+        status = os.fstat(fd)
+        alone = stat.S_ISREG(status.st_mode) and status.st_nlink == 1 and status.st_uid == os.geteuid()
+        return alone and status.st_size >= resume_offset and os.pread(fd, len(header), 0) == header
+    except OSError:
+        return False

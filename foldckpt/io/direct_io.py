@@ -118,6 +118,18 @@ class BufferPool:
             self._free.setdefault(buffer.nbytes, []).append(buffer)
 
 
+def _same_file(direct: int | None, fd: int) -> int | None:
+    """``direct`` if it opens the file ``fd`` does, else None (plain writes through ``fd``): it is
+    opened by name, and a name can be taken over by another file between two opens."""
+    if direct is None:
+        return None
+    first, second = os.fstat(fd), os.fstat(direct)
+    if (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino):
+        return direct
+    os.close(direct)
+    return None
+
+
 def _align_down(offset: int) -> int:
     return offset - offset % ALIGN
 
@@ -269,7 +281,7 @@ class DurableAppender:
         self.fd = fd
         self.priority = priority
         self.offset = self.end = offset
-        self._direct = open_direct(path, os.O_WRONLY)
+        self._direct = _same_file(open_direct(path, os.O_WRONLY | os.O_NOFOLLOW), fd)
         self._stage = aligned_buffer(DIRECT_CHUNK) if self._direct is not None else None
         self._tail = os.pread(fd, offset % ALIGN, _align_down(offset)) if self._direct is not None else b""
         self.staged = 0

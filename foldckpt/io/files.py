@@ -5,6 +5,14 @@ the destination folder, fsynced, renamed into place, and the folder fsynced. A k
 therefore leaves either the old state or the complete new file, never a half-written file under
 a name that verify or vLLM would read. Disk-full and file-too-large errors become one-line
 :class:`FoldckptError` messages naming the file, and the temporary file is removed.
+
+OUT_DIR may hold entries someone else planted (between two runs, after a kill -9): a symlink at a
+temporary name, a directory symlink where a sub-folder goes, a journal or a manifest naming such
+paths. So every write and every removal in it goes through a descriptor of the folder that holds
+the entry, reached from OUT_DIR one component at a time without following a link
+(:func:`parent_dir`), creates its file anew (``O_EXCL | O_NOFOLLOW``) and removes only regular
+files and links, the link itself (:func:`remove_placed`): nothing outside OUT_DIR is ever written,
+truncated or deleted, whatever it holds.
 """
 
 from __future__ import annotations
@@ -15,11 +23,11 @@ import hashlib
 import json
 import math
 import os
-import shutil
+import stat
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
 from foldckpt.errors import FoldckptError
@@ -30,6 +38,10 @@ HASH_CHUNK = 8 * 1024 * 1024
 # measured 25-35% faster than 8 MiB reads on an EPYC (1 MiB L2); readahead keeps the disk busy.
 HASH_BUFFER = 1024 * 1024
 LINK_MODES = ("auto", "hard", "copy", "symlink")
+
+# A folder on the way to an entry of OUT_DIR: opened as a directory, never through a symlink.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW_FILE_FLAGS = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 _DISK_FULL = {errno.ENOSPC: "disk full", errno.EFBIG: "file too large for this filesystem or limit",
               errno.EDQUOT: "disk quota exceeded"}  # fmt: skip
@@ -49,7 +61,102 @@ def worker_pool(workers: int) -> Iterator[ThreadPoolExecutor]:
 
 
 def tmp_path_for(path: Path) -> Path:
-    return path.with_name(f".{path.name}{TMP_SUFFIX}")
+    return path.with_name(tmp_name(path.name))
+
+
+def tmp_name(name: str) -> str:
+    return f".{name}{TMP_SUFFIX}"
+
+
+def stays_inside(name: str) -> bool:
+    """Whether the relative file name ``name`` names something inside its directory, by its text
+    alone (not absolute, no ``..``, no backslash): what may be joined onto a directory we own."""
+    pure = PurePosixPath(name)
+    return not (pure.is_absolute() or ".." in pure.parts or "\\" in name)
+
+
+@contextmanager
+def parent_dir(root: Path, name: str, create: bool = False) -> Iterator[tuple[int, str]]:
+    """A descriptor of the folder that holds ``root/name`` and the entry's own name in it.
+
+    The folder is reached from ``root`` one component at a time, each opened ``O_NOFOLLOW``: a
+    symlink (or anything but a directory) on the way is refused naming it, and what is then
+    created, renamed or removed through the descriptor stays inside ``root`` even if a component
+    is swapped for a link meanwhile. ``create`` makes missing folders (mkdir never follows a
+    link either); otherwise a missing one raises FileNotFoundError."""
+    parts = PurePosixPath(name).parts
+    if not parts or not stays_inside(name):
+        raise FoldckptError.at(root / name, "names a place outside its directory; refused")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for depth, part in enumerate(parts[:-1]):
+            if create:
+                with suppress(FileExistsError):  # a folder, or anything else: checked as it is opened
+                    os.mkdir(part, 0o777, dir_fd=fd)
+            inner = _open_folder(root, parts[: depth + 1], fd)
+            os.close(fd)
+            fd = inner
+        yield fd, parts[-1]
+    finally:
+        os.close(fd)
+
+
+def _open_folder(root: Path, parts: tuple[str, ...], parent_fd: int) -> int:
+    try:
+        return os.open(parts[-1], _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise _not_a_folder(root, parts) from None
+
+
+def _not_a_folder(root: Path, parts: tuple[str, ...]) -> FoldckptError:
+    return FoldckptError.at(
+        root.joinpath(*parts),
+        "a symlink or not a directory where convert writes a folder of its own; not followed: remove it "
+        "(or choose another output directory) and rerun",
+    )
+
+
+def check_removable(root: Path, name: str, links: bool = True) -> bool:
+    """Whether ``root/name`` is there to remove (False: nothing at that name); refuses, naming it,
+    an entry convert cannot have made: anything but a regular file or (where ``links``: source
+    files placed with ``--link symlink``) a symlink, or one reached through a symlink."""
+    try:
+        with parent_dir(root, name) as (fd, leaf):
+            return _removable(root / name, os.lstat(leaf, dir_fd=fd), links)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise os_error(root / name, exc, "checking what to remove") from None
+
+
+def _removable(path: Path, status: os.stat_result, links: bool) -> bool:
+    if stat.S_ISREG(status.st_mode) or (links and stat.S_ISLNK(status.st_mode)):
+        return True
+    if stat.S_ISLNK(status.st_mode):
+        kind = "a symlink"
+    else:
+        kind = "a directory" if stat.S_ISDIR(status.st_mode) else "not a regular file"
+    advice = "remove it yourself (or choose another output directory) and rerun"
+    raise FoldckptError.at(path, f"{kind}, which convert never writes there; not removed: {advice}")
+
+
+def remove_placed(root: Path, entries: dict[str, bool]) -> None:
+    """Remove the entries of ``root`` that an earlier run made (name: whether it may be a symlink,
+    see :func:`check_removable`), in order, each the entry itself (a link, never what it points
+    to), through a descriptor of its folder (:func:`parent_dir`). All are checked before the first
+    goes: a refusal leaves ``root`` as it was."""
+    present = {name: links for name, links in entries.items() if check_removable(root, name, links)}
+    for name, links in present.items():
+        try:
+            with parent_dir(root, name) as (fd, leaf):
+                if _removable(root / name, os.lstat(leaf, dir_fd=fd), links):
+                    os.unlink(leaf, dir_fd=fd)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise os_error(root / name, exc, "removing") from None
 
 
 def is_tmp_path(path: Path) -> bool:
@@ -74,37 +181,47 @@ def os_error(path: Path, exc: OSError, action: str) -> FoldckptError:
 
 
 @contextmanager
-def atomic_output(path: Path) -> Iterator[BinaryIO]:
+def atomic_output(path: Path, root: Path | None = None) -> Iterator[BinaryIO]:
     """Open ``path`` for writing so that it appears only complete and durable, or not at all.
 
-    The temporary file is made anew (``O_EXCL | O_NOFOLLOW``, after removing whatever has its
-    name): opened plainly, a symlink planted at that name in OUT_DIR had convert write its journal
-    through it, onto a file anywhere."""
+    ``root``: the directory ``path`` lies in, possibly a few folders down (made where missing);
+    the folders between are reached without following a link (:func:`parent_dir`). The temporary
+    file is made anew (``O_EXCL | O_NOFOLLOW``, after removing whatever has its name): opened
+    plainly, a symlink planted at that name in OUT_DIR had convert write its journal through it,
+    onto a file anywhere."""
     path = Path(path)
-    tmp = tmp_path_for(path)
+    root = path.parent if root is None else Path(root)
     try:
-        tmp.unlink(missing_ok=True)  # a leftover of a killed write, or a planted link: not followed
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
-        with os.fdopen(fd, "wb") as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        with parent_dir(root, path.relative_to(root).as_posix(), create=True) as (folder, name):
+            tmp = tmp_name(name)
+            try:
+                unlink_at(folder, tmp)  # a leftover of a killed write, or a planted link: not followed
+                fd = os.open(tmp, os.O_WRONLY | _NEW_FILE_FLAGS, 0o666, dir_fd=folder)
+                with os.fdopen(fd, "wb") as handle:
+                    yield handle
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+                os.fsync(folder)
+            except BaseException:
+                _discard(folder, tmp)
+                raise
     except OSError as exc:
-        _discard(tmp)
         raise os_error(path, exc, "writing") from None
-    except BaseException:
-        _discard(tmp)
-        raise
 
 
-def _discard(tmp: Path) -> None:
+def unlink_at(folder: int, name: str) -> None:
+    """Remove the entry ``name`` of the open ``folder`` if there is one (a link itself)."""
+    with suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=folder)
+
+
+def _discard(folder: int, tmp: str) -> None:
     """Remove a temporary file after a failed write, where that is possible: on a read-only file
     system even the removal of a file that was never made fails (EROFS), and that must not hide
     the error that stopped the write."""
     with suppress(OSError):
-        tmp.unlink(missing_ok=True)
+        unlink_at(folder, tmp)
 
 
 def atomic_write_json(path: Path, data: Any) -> None:
@@ -174,62 +291,102 @@ def sha256_file(path: Path, progress: Callable[[int], object] | None = None) -> 
     return digest.hexdigest()
 
 
-def _copy(src: Path, dst: Path, progress: Callable[[int], object] | None) -> None:
-    with open(src, "rb") as reader, atomic_output(dst) as writer:
+def _copy(src: Path, dst: Path, root: Path, progress: Callable[[int], object] | None) -> None:
+    """Copy ``src`` to ``dst`` (under ``root``) with its mode and times, set on the new file
+    before it is renamed into place: set by name afterwards, they followed whatever link had
+    taken the name meanwhile."""
+    with open(src, "rb") as reader, atomic_output(dst, root) as writer:
         while chunk := reader.read(HASH_CHUNK):
             writer.write(chunk)
             if progress:
                 progress(len(chunk))
+        writer.flush()
+        source = os.fstat(reader.fileno())
+        os.chmod(writer.fileno(), stat.S_IMODE(source.st_mode))
+        os.utime(writer.fileno(), ns=(source.st_atime_ns, source.st_mtime_ns))
 
 
-def place_file(src: Path, dst: Path, mode: str, progress: Callable[[int], object] | None = None) -> str:
+def place_file(
+    src: Path, dst: Path, mode: str, progress: Callable[[int], object] | None = None, root: Path | None = None
+) -> str:
     """Make ``dst`` hold ``src`` unchanged: a hard link, a copy or a symlink; returns how.
 
     ``auto`` hard-links when source and output share a filesystem and copies otherwise. The new
     entry is created under a temporary name and renamed, so a half-copied file never has the
-    final name.
+    final name. ``root``: the output directory ``dst`` lies in (see :func:`atomic_output`).
     """
     if mode not in LINK_MODES:
         raise FoldckptError(f"unknown --link mode {mode!r}; choose one of {', '.join(LINK_MODES)}")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_path_for(dst)
-    tmp.unlink(missing_ok=True)
-    if mode in ("auto", "hard"):
+    root = dst.parent if root is None else root
+    if mode in ("auto", "hard", "symlink"):
         try:
-            # link(2) does not follow a symlink: linking a Hugging Face snapshot entry (a relative
-            # symlink into blobs/) would give OUT_DIR a dangling link, so link the file it names.
-            os.link(os.path.realpath(src), tmp)
-            os.replace(tmp, dst)
-            tmp.unlink(missing_ok=True)  # rename(2) is a no-op, leaving tmp, when dst already links src
-            return "hard"
+            with parent_dir(root, dst.relative_to(root).as_posix(), create=True) as (folder, name):
+                return _link(src, folder, name, mode)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            if mode == "hard" or exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-                raise os_error(dst, exc, f"hard-linking {src}") from None
-    if mode == "symlink":
-        try:
-            os.symlink(src.resolve(), tmp)
-            os.replace(tmp, dst)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise os_error(dst, exc, f"symlinking {src}") from None
-        return "symlink"
+            if mode != "auto" or exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                if exc.errno == errno.ENOENT and not os.path.lexists(src):
+                    raise vanished(src) from None
+                raise os_error(dst, exc, f"{'symlinking' if mode == 'symlink' else 'hard-linking'} {src}") from None
     try:
-        _copy(src, dst, progress)
+        _copy(src, dst, root, progress)
     except FoldckptError:
         raise
+    except FileNotFoundError:
+        raise vanished(src) from None
     except OSError as exc:
         raise os_error(src, exc, "copying") from None
-    shutil.copystat(src, dst)
     return "copy"
 
 
+def _link(src: Path, folder: int, name: str, mode: str) -> str:
+    """Place ``src`` as ``name`` in the open ``folder``: a hard link (``auto``, ``hard``) or a symlink."""
+    tmp = tmp_name(name)
+    unlink_at(folder, tmp)
+    try:
+        if mode == "symlink":
+            os.stat(src)  # a source gone since the plan: no dangling link
+            os.symlink(src.resolve(), tmp, dir_fd=folder)
+        else:
+            # link(2) does not follow a symlink: linking a Hugging Face snapshot entry (a relative
+            # symlink into blobs/) would give OUT_DIR a dangling link, so link the file it names.
+            os.link(os.path.realpath(src), tmp, dst_dir_fd=folder)
+        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+        unlink_at(folder, tmp)  # rename(2) is a no-op, leaving tmp, when name already links src
+    except OSError:
+        _discard(folder, tmp)
+        raise
+    return "symlink" if mode == "symlink" else "hard"
+
+
+def vanished(path: Path) -> FoldckptError:
+    """A source file that was there when the plan read it and is gone now."""
+    return FoldckptError.at(path, "no longer exists (removed or renamed while convert ran); restore it and rerun")
+
+
 def remove_stale_tmp_files(folder: Path, keep: set[Path] = frozenset()) -> list[Path]:
-    """Delete temporary files a killed run left behind (except ``keep``); returns what was removed."""
-    stale = [p for p in folder.rglob(f"*{TMP_SUFFIX}") if is_tmp_path(p) and p not in keep]
-    for path in stale:
-        path.unlink(missing_ok=True)
+    """Delete temporary files a killed run left behind (except ``keep``); returns what was removed.
+
+    The walk holds a descriptor of each folder and never enters a symlink (``os.fwalk``); a link
+    at a temporary name is removed itself."""
+    stale: list[Path] = []
+    try:
+        for parent, _, names, parent_fd in os.fwalk(folder):
+            for name in names:
+                path = Path(parent) / name
+                if is_tmp_path(path) and path not in keep and _removable_quietly(parent_fd, name):
+                    unlink_at(parent_fd, name)
+                    stale.append(path)
+    except OSError as exc:
+        raise os_error(folder, exc, "removing temporary files") from None
     return stale
+
+
+def _removable_quietly(folder: int, name: str) -> bool:
+    try:
+        mode = os.lstat(name, dir_fd=folder).st_mode
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(mode) or stat.S_ISLNK(mode)
 
 
 def fingerprint(path: Path) -> list[int] | None:
@@ -259,10 +416,7 @@ def exclusive_lock(directory: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise FoldckptError(
-                f"{directory}: another foldckpt convert is writing this directory; wait for it to "
-                "finish (or stop it), then rerun"
-            ) from None
+            raise busy_error(directory) from None
         except OSError:  # a filesystem without flock on directories: convert unlocked
             pass
         yield
@@ -285,3 +439,30 @@ def is_locked(directory: Path) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def lock_holder(directory: Path) -> int | None:
+    """The process id holding ``directory``'s lock (:func:`exclusive_lock`), from ``/proc/locks``
+    (Linux), or None where it cannot be told. Matched by inode: the device number there is the
+    filesystem's own, which differs from ``st_dev`` on some (overlayfs, btrfs)."""
+    try:
+        inode = os.stat(directory).st_ino
+        with open("/proc/locks", encoding="ascii", errors="replace") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()  # "1: FLOCK  ADVISORY  WRITE 4242 00:2b:1311 0 EOF"
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[3] == "WRITE":
+            if fields[5].rsplit(":", 1)[-1] == str(inode) and fields[4].isdigit():
+                return int(fields[4])
+    return None
+
+
+def busy_error(directory: Path) -> FoldckptError:
+    """The refusal of an OUT_DIR that another convert is writing (its lock is held)."""
+    pid = lock_holder(directory)
+    return FoldckptError(
+        f"{directory}: another foldckpt convert is writing this directory{f' (pid {pid})' if pid else ''}; "
+        "wait for it to finish (or stop it), then rerun"
+    )

@@ -14,7 +14,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from foldckpt.errors import FoldckptError
-from foldckpt.io.files import read_json_file
+from foldckpt.io.files import read_json_file, stays_inside
 from foldckpt.io.safetensors_format import SafetensorsHeader, TensorInfo, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -58,13 +58,6 @@ def allowed_roots(model_dir: Path) -> tuple[Path, ...]:
     if root.parent.name == "snapshots":
         roots.append(root.parent.parent / "blobs")
     return tuple(roots)
-
-
-def stays_inside(name: str) -> bool:
-    """Whether the relative file name ``name`` names something inside its directory, by its text
-    alone (not absolute, no ``..``, no backslash): what may be joined onto a directory we own."""
-    pure = PurePosixPath(name)
-    return not (pure.is_absolute() or ".." in pure.parts or "\\" in name)
 
 
 def resolve_inside(model_dir: Path, name: str, where: str, external_links: bool = False) -> Path:

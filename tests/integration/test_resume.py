@@ -452,16 +452,16 @@ def test_a_kept_fold_damaged_between_two_runs_is_folded_again_on_resume(
 
 # SIGKILL at the Nth file removal: a real kill -9 at an exact point of --restart's clearing.
 _KILLED_AT_UNLINK = """
-import os, pathlib, signal, sys
+import os, signal, sys
 left = int(sys.argv[1])
-real_unlink = pathlib.Path.unlink
-def unlink(self, missing_ok=False):
+real_unlink = os.unlink
+def unlink(path, *, dir_fd=None):
     global left
-    real_unlink(self, missing_ok=missing_ok)
+    real_unlink(path, dir_fd=dir_fd)
     left -= 1
     if left == 0:
         os.kill(os.getpid(), signal.SIGKILL)
-pathlib.Path.unlink = unlink
+os.unlink = unlink
 from foldckpt.cli import main
 main(sys.argv[2:])
 """
