@@ -4,11 +4,24 @@
 # to a numerical recompute, inspect it, and show verify catching a one-byte corruption.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+WORK="${DEMO_DIR:-.work/demo}"
+# The demo deletes only a directory it made itself (it holds MARK): DEMO_DIR=~ or DEMO_DIR=/data
+# must never be wiped. Anything else non-empty, or a symlink, is refused before any work.
+MARK=.foldckpt-demo
+if [ -L "$WORK" ]; then
+  echo "demo.sh: DEMO_DIR $WORK is a symlink; give the directory itself (or an empty or new one)" >&2
+  exit 2
+elif [ -f "$WORK/$MARK" ]; then
+  rm -rf -- "$WORK"
+elif [ -e "$WORK" ] && [ -n "$(ls -A -- "$WORK" 2>/dev/null || echo unreadable)" ]; then
+  echo "demo.sh: DEMO_DIR $WORK is not empty and was not made by this demo; choose an empty or new directory" >&2
+  exit 2
+fi
+mkdir -p -- "$WORK"
+: > "$WORK/$MARK"
 bash scripts/setup_venv.sh
 VENV="${FOLDCKPT_VENV:-.venv}"
 FOLDCKPT="$VENV/bin/foldckpt"
-WORK="${DEMO_DIR:-.work/demo}"
-rm -rf "$WORK"
 MODEL="$WORK/kimi-k3-tiny"
 OUT="$WORK/kimi-k3-tiny-folded"
 step() { printf '\n\033[1m== %s\033[0m\n$ %s\n' "$1" "${*:2}"; "${@:2}"; }

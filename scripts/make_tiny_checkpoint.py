@@ -3,12 +3,23 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
-import torch
 
-from foldckpt.model.synthetic import FAMILIES, make_checkpoint
+try:
+    # The [synthetic] extra: foldckpt.model.synthetic writes with safetensors, whose torch writer needs
+    # numpy when it runs; both checked first, before torch (which warns without numpy).
+    import numpy  # noqa: F401
+    import safetensors  # noqa: F401
+    import torch
+
+    from foldckpt.model.synthetic import FAMILIES, make_checkpoint
+except ImportError as missing:
+    what = (missing.name or "a package").split(".")[0]
+    print(f"make_tiny_checkpoint.py: needs {what} (not installed): pip install 'foldckpt[synthetic]'", file=sys.stderr)
+    sys.exit(2)
 
 
 @click.command()

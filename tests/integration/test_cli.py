@@ -433,3 +433,21 @@ def test_the_cli_flags_are_generated_from_the_library_options() -> None:
         assert cli.options_from(options, parsed, progress=True) == options()
     assert ConvertOptions.__dataclass_fields__["fold_dtype"].metadata["choices"] == tuple(FOLD_DTYPES)
     assert verify.LEVELS == VerifyOptions.__dataclass_fields__["level"].metadata["choices"]
+
+
+@pytest.mark.parametrize("missing", ["safetensors", "numpy"])
+def test_make_tiny_checkpoint_without_the_synthetic_extra_says_what_to_install(tmp_path: Path, missing: str) -> None:
+    """Without the [synthetic] extra the script died in a traceback (ModuleNotFoundError). Python's
+    own "not importable" (None in sys.modules) stands for the package not being installed."""
+    script = REPO / "scripts" / "make_tiny_checkpoint.py"
+    code = (
+        f"import runpy, sys; sys.modules[{missing!r}] = None; sys.argv[1:] = [{str(tmp_path / 'm')!r}]; "
+        f"runpy.run_path({str(script)!r}, run_name='__main__')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [
+        f"make_tiny_checkpoint.py: needs {missing} (not installed): pip install 'foldckpt[synthetic]'"
+    ]
+    assert not (tmp_path / "m").exists()

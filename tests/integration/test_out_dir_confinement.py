@@ -28,7 +28,7 @@ from foldckpt.journal import JOURNAL_NAME
 from foldckpt.manifest import MANIFEST_NAME
 from foldckpt.synthetic import make_checkpoint
 from foldckpt.verify import VerifyOptions, verify
-from tests.conftest import run_foldckpt
+from tests.conftest import REPO, run_foldckpt
 from tests.integration.test_resume import CONVERT_ARGS, LAYERS, kill_after_layers, one_error_line
 
 SHARD = "model-00002-of-00003.safetensors"
@@ -236,3 +236,46 @@ def test_a_source_removed_after_the_plan_is_one_line_naming_it(
     line = one_error_line(convert_removing_after_the_plan(source / name, convert_args(source, out, "--link", link)))
     assert str(source / name) in line and "no longer exists" in line, line
 
+
+# ----------------------------------------------------------------------------- scripts/demo.sh
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> Path:
+    """scripts/demo.sh in a copy of the repository's scripts/ whose venv set-up is a no-op and
+    whose venv's python fails: what the demo does to DEMO_DIR happens before its first step ends."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "demo.sh", root / "scripts" / "demo.sh")
+    (root / "scripts" / "setup_venv.sh").write_text("exit 0\n")
+    (root / "venv" / "bin").mkdir(parents=True)
+    for tool in ("python", "foldckpt"):
+        (root / "venv" / "bin" / tool).write_text("#!/bin/sh\nexit 1\n")
+        (root / "venv" / "bin" / tool).chmod(0o755)
+    return root
+
+
+def run_demo(demo: Path, work: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DEMO_DIR": str(work), "FOLDCKPT_VENV": str(demo / "venv")}
+    return subprocess.run(["bash", str(demo / "scripts" / "demo.sh")], capture_output=True, text=True, env=env)
+
+
+@pytest.mark.parametrize("kind", ["directory", "symlink"])
+def test_demo_never_deletes_a_demo_dir_it_did_not_make(demo: Path, outside: Path, tmp_path: Path, kind: str) -> None:
+    """demo.sh ran ``rm -rf "$DEMO_DIR"``: DEMO_DIR=~ deleted a home directory."""
+    work = outside if kind == "directory" else tmp_path / "link"
+    if kind == "symlink":
+        work.symlink_to(outside)
+    before = tree_snapshot(outside)
+    run = run_demo(demo, work)
+    assert run.returncode == 2 and str(work) in run.stderr, run.stderr
+    assert_untouched(outside, before)
+
+
+def test_demo_replaces_a_demo_dir_it_made(demo: Path, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    run_demo(demo, work)
+    (work / "old-run.txt").write_text("left by the last demo\n")
+    run = run_demo(demo, work)
+    assert run.returncode == 1, run.stderr  # the stub python fails the first step
+    assert sorted(p.name for p in work.iterdir()) == [".foldckpt-demo"]
