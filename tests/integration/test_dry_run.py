@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from foldckpt.inspect import conversion_status, describe_conversion
-from foldckpt.manifest import read_manifest
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.format.manifest import read_manifest
+from foldckpt.model.synthetic import make_checkpoint
 from tests.conftest import run_foldckpt
 from tests.integration.test_out_dir_confinement import convert_removing_after_the_plan
 from tests.integration.test_resume import (

@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from foldckpt.files import tmp_path_for
-from foldckpt.journal import JOURNAL_NAME
-from foldckpt.manifest import MANIFEST_NAME
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.io.files import tmp_path_for
+from foldckpt.convert.journal import JOURNAL_NAME
+from foldckpt.format.manifest import MANIFEST_NAME
+from foldckpt.model.synthetic import make_checkpoint
 from foldckpt.verify import VerifyOptions, verify
 from tests.conftest import REPO, run_foldckpt
 from tests.integration.test_resume import CONVERT_ARGS, LAYERS, kill_after_layers, one_error_line
