@@ -18,8 +18,8 @@ from typing import Any
 
 from foldckpt import __version__
 from foldckpt.errors import FoldckptError
-from foldckpt.io.files import atomic_write_json, parse_json
 from foldckpt.format.manifest import FORMAT_VERSION, Manifest
+from foldckpt.io.files import atomic_write_json, parse_json
 
 JOURNAL_NAME = ".foldckpt-journal.json"
 

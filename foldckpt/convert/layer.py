@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from foldckpt.convert.plan import ConversionPlan, LayerPlan, SourceWeight
 from foldckpt.defaults import SCALED_FOLD_DTYPES, fold_torch_dtype
-from foldckpt.io.direct_io import BufferPool
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import (
     FP8_MAX,
@@ -36,11 +36,11 @@ from foldckpt.fold import (
     sample_heads,
     within_one_rounding,
 )
-from foldckpt.model.geometry import Geometry
-from foldckpt.io.hashing import head_digests, tensor_digest
 from foldckpt.format.manifest import FoldTensor, ScaleTensor, SourceTensor
-from foldckpt.convert.plan import ConversionPlan, LayerPlan, SourceWeight
+from foldckpt.io.direct_io import BufferPool
+from foldckpt.io.hashing import head_digests, tensor_digest
 from foldckpt.io.safetensors_format import TensorInfo, read_tensor_bytes
+from foldckpt.model.geometry import Geometry
 from foldckpt.tensors import TORCH_DTYPES
 
 # Head chunks of a layer's fold that may be out at once (made and not yet written): FoldRing.

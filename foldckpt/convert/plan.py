@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from foldckpt import __version__
-from foldckpt.model.checkpoint import SourceCheckpoint, list_files_to_place, open_source_checkpoint
 from foldckpt.defaults import (
     DEFAULT_FOLD_DTYPE,
     DEFAULT_MAX_SHARD_SIZE,
@@ -23,8 +22,13 @@ from foldckpt.defaults import (
     SIDECAR_PREFIX,
 )
 from foldckpt.errors import FoldckptError
-from foldckpt.model.geometry import Geometry, MLALayer, read_geometry
 from foldckpt.io.safetensors_format import TensorInfo, TensorSpec, file_size_for
+from foldckpt.model.checkpoint import (
+    SourceCheckpoint,
+    list_files_to_place,
+    open_source_checkpoint,
+)
+from foldckpt.model.geometry import Geometry, MLALayer, read_geometry
 
 # ``--fold-dtype`` choices (and the safetensors dtype each is stored as), the sidecar prefix and the
 # shard cap are written once, in foldckpt.defaults. Planning needs no torch; ``FOLD_DTYPES``

@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from foldckpt.io.direct_io import BufferPool, DiskPriority
 from foldckpt.errors import FoldckptError
-from foldckpt.io.hashing import HashJob, RangeCheck, hash_job, tensor_digest
 from foldckpt.format.manifest import FileRecord
+from foldckpt.io.direct_io import BufferPool, DiskPriority
+from foldckpt.io.hashing import HashJob, RangeCheck, hash_job, tensor_digest
 from foldckpt.io.safetensors_format import TensorInfo, read_tensor_bytes
 
 # Niceness of the passes over files that feed no layer (see _yield_to_the_fold); a thread

@@ -466,3 +466,33 @@ def busy_error(directory: Path) -> FoldckptError:
         f"{directory}: another foldckpt convert is writing this directory{f' (pid {pid})' if pid else ''}; "
         "wait for it to finish (or stop it), then rerun"
     )
+
+
+def file_size(path: Path) -> int:
+    """The size of a file the plan found (a source, or its placed copy or link), or one line naming
+    it when it is gone since: another process may remove a file while convert runs."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        raise vanished(path) from None
+    except OSError as exc:
+        raise os_error(path, exc, "reading") from None
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` or, where it does not exist yet, the nearest parent that does (where it will be)."""
+    return next(folder for folder in (path, *path.absolute().parents) if folder.exists())
+
+
+def hard_link_note(out_path: Path, src_path: Path) -> str:
+    out_fp, src_fp = fingerprint(out_path), fingerprint(src_path)
+    if out_fp is not None and src_fp is not None and out_fp[:2] == src_fp[:2]:
+        return f" ({out_path} is a hard link of it: editing either edits both)"
+    return ""
+
+
+def how_placed(out_path: Path, src_path: Path) -> str:
+    if out_path.is_symlink():
+        return "symlink"
+    out_fp, src_fp = fingerprint(out_path), fingerprint(src_path)
+    return "hard" if out_fp and src_fp and out_fp[:2] == src_fp[:2] else "copy"

@@ -41,7 +41,6 @@ import multiprocessing
 import platform
 import random
 import statistics
-import sys
 import time
 import tomllib
 from collections.abc import Callable, Iterator
