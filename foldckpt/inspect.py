@@ -6,27 +6,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from foldckpt.model.checkpoint import open_source_checkpoint
-from foldckpt.errors import FoldckptError
-from foldckpt.model.geometry import Geometry, read_geometry
-from foldckpt.io.files import is_locked, lock_holder
-from foldckpt.model.hub import ModelSource
 from foldckpt.convert.journal import JOURNAL_NAME, Journal
-from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
-
-
-@dataclass(frozen=True)
-class FoldedLayer:
-    """One fold recorded in the manifest: config layer index, sidecar and error vs fp64."""
-
-    index: int
-    is_mtp: bool
-    tensor: str
-    sidecar: str
-    rel_fro_error: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+from foldckpt.errors import FoldckptError
+from foldckpt.format.manifest import MANIFEST_NAME, FoldedLayer, read_manifest
+from foldckpt.io.files import is_locked, lock_holder
+from foldckpt.model.checkpoint import open_source_checkpoint
+from foldckpt.model.geometry import Geometry, read_geometry
+from foldckpt.model.hub import ModelSource
 
 
 @dataclass(frozen=True)

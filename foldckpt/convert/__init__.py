@@ -68,13 +68,13 @@ from foldckpt.defaults import (
 from foldckpt.errors import FoldckptError
 from foldckpt.format.manifest import (
     FileRecord,
+    FoldedLayer,
     FoldTensor,
     Manifest,
     SidecarRecord,
     read_manifest,
     write_manifest,
 )
-from foldckpt.inspect import FoldedLayer
 from foldckpt.io.files import (
     busy_error,
     exclusive_lock,

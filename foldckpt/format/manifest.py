@@ -36,9 +36,9 @@ from foldckpt import __version__
 from foldckpt.defaults import SCALED_FOLD_DTYPES
 from foldckpt.errors import FoldckptError, ManifestError
 from foldckpt.io.files import atomic_output, parse_json
-from foldckpt.model.geometry import Geometry
 from foldckpt.io.hashing import LEAF_RULE, RANK_RULE, TENSOR_DIGEST_RULE
 from foldckpt.io.safetensors_format import tensor_nbytes
+from foldckpt.model.geometry import Geometry
 
 MANIFEST_NAME = "foldckpt.json"
 FORMAT_NAME = "foldckpt"
@@ -362,3 +362,17 @@ def read_manifest(out_dir: Path, expect_sha256: str | None = None) -> Manifest:
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise bad(f"malformed manifest ({type(exc).__name__}: {exc})") from None
     return dataclasses.replace(manifest, file_sha256=digest)
+
+
+@dataclass(frozen=True)
+class FoldedLayer:
+    """One fold recorded in the manifest: config layer index, sidecar and error vs fp64."""
+
+    index: int
+    is_mtp: bool
+    tensor: str
+    sidecar: str
+    rel_fro_error: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
