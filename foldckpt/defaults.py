@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -36,6 +37,26 @@ SIDECAR_HEADER_ALIGN = 4096
 TP_CANDIDATES: tuple[int, ...] = (1, 2, 4, 8, 16)
 # The serving plugin refuses a manifest whose file sha256 is not this (when set).
 EXPECT_MANIFEST_ENV = "FOLDCKPT_EXPECT_MANIFEST_SHA256"
+# The words the plugin's on/off switches (``FOLDCKPT_DISABLE``, ``FOLDCKPT_AUTOTUNE``) take.
+_SWITCH_WORDS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
+
+
+def env_switch(name: str, default: bool, on: str, off: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """The on/off switch ``name`` of ``environ`` (``default`` where unset or blank). A value that is
+    neither a yes nor a no is refused rather than guessed: either reading would do what its
+    operator did not ask for. ``on`` / ``off`` say what each answer does, for that message."""
+    from foldckpt.errors import FoldckptError
+
+    raw = environ.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        return _SWITCH_WORDS[raw.strip().lower()]
+    except KeyError:
+        unset_on, unset_off = (" or unset", "") if default else ("", " or unset")
+        raise FoldckptError(
+            f"{name}={raw!r}: use 1, true, yes or on{unset_on} to {on}; 0, false, no or off{unset_off} to {off}"
+        ) from None
 
 
 def nan_last(error: float) -> float:

@@ -18,9 +18,11 @@ For Kimi-K3 at TP4/8/16 and DeepSeek-V3 at TP8 and M from 1 to 8192 tokens it ti
   folded_triton    the same GEMM through the tuned Triton kernel (M <= 256 only)
   folded_skinny    the same GEMM through the skinny kernel, tuned per M tile for the fold shape
                    (M <= 16); fold_gemm runs it where the table's bucket says backend = "skinny"
-  routed           what the plugin does: fold_gemm if M <= fold_route_max_tokens (timed; it runs
-                   the table's backend for that M: tiled Triton, skinny Triton or cuBLAS), else
-                   the unfolded path (then the unfolded time itself)
+  folded           fold_gemm: the backend the plugin runs at that M (the table's tiled Triton,
+                   skinny Triton or cuBLAS; cuBLAS on a GPU without a table)
+  routed           what the plugin does: folded if M <= the threshold fold_route gives on this
+                   GPU (its table, or where there is none the plugin's start-up measurement or
+                   its cache), else the unfolded path (then the unfolded time itself)
 The fp8 fold (W_fold quantized per row to e4m3 with an fp32 scale, foldckpt.fold.quantize_fp8_rows,
 weight-only: x stays bf16) at every M:
   folded_fp8         fold_gemm(x, W_fp8, scale=s): the table's [[fp8_shape]] backend for that M
@@ -28,7 +30,7 @@ weight-only: x stays bf16) at every M:
                      dequantizes the weight in fp32 on every call)
   folded_fp8_triton  the tiled fp8 kernel with the bucket's config (M <= 256)
   folded_fp8_skinny  the skinny fp8 kernel with the tile's config (M <= 16)
-  fp8_routed         fold_gemm fp8 if M <= fold_route_max_tokens(..., weight_dtype=float8_e4m3fn),
+  fp8_routed         folded_fp8 if M <= fold_route(..., weight_dtype=float8_e4m3fn)'s threshold,
                      else the unfolded path
   fp8_floor          bytes of W_fp8 + its scale + x + y over the measured copy bandwidth
   path_fp8_routed    (RoPE models) fold_query with the fp8 weight if M <= the fp8 threshold, else
@@ -42,15 +44,18 @@ RoPE, and for it also the decode query path with RoPE (q_pe and k_pe):
                  benchmark machine; the project's one-launch Triton RoPE stands in for it)
   path_routed    the plugin: fold_query (the fold GEMM with RoPE in its epilogue where the table
                  says so, else followed by one RoPE launch for q and k) if
-                 M <= fold_route_max_tokens, else path_unfolded
+                 M <= the threshold, else path_unfolded
 Each time is the median over replays of a CUDA graph of 32 back-to-back calls spread over 16
 layer copies of the weights (so no layer's weights are still in L2 when it runs again). The
 floor is the bytes of W_fold + x + y over the device-to-device copy bandwidth measured in the
 same run (unfolded_floor: q_b_proj + W_UK + x + q + ql_nope). Before each point the GPU works
 for 0.2 s so that no variant meets idle clocks. Every variant's output is checked against an
 fp64 reference of the unfolded math.
-Writes docs/bench/decode_<gpu>.json (schema_version 2: the columns are described in its meta)
-and decode_<gpu>.png.
+The summary prints the routing target per dtype: the worst routed time against the faster of the
+fold (as fold_gemm runs it) and the unfolded path (target >= 0.97x), and the threshold this run's
+own timings give (``tuning.decide_fold_max_tokens``, the tuner's and the start-up measurement's
+rule) beside the one the plugin routes with.
+Writes docs/bench/decode_<gpu>.json (the columns are described in its meta) and decode_<gpu>.png.
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ from foldckpt.runtime.kernels import (  # noqa: E402
     QueryRope,
     fold_gemm,
     fold_query,
-    fold_route_max_tokens,
+    fold_route,
     gpu_key,
     warmup_fold_gemm,
     warmup_fold_query,
@@ -88,8 +93,10 @@ from foldckpt.runtime.kernels.reference import (  # noqa: E402
     unfolded_query,
 )
 from foldckpt.runtime.kernels.rope import rope_gptj  # noqa: E402
-from foldckpt.tune.bf16 import triton_unfolded_query  # noqa: E402
 from foldckpt.runtime.kernels.timing import (  # noqa: E402
+    CALLS_PER_GRAPH,
+    LAYER_COPIES,
+    layer_order,
     measure_copy_bandwidth,
     measure_kernel_overhead_us,
     relative_error,
@@ -102,11 +109,13 @@ from foldckpt.runtime.kernels.tuning import (  # noqa: E402
     Bucket,
     KernelConfig,
     SkinnyConfig,
+    decide_fold_max_tokens,
     kernel_config_for,
     load_table,
     q_b_proj_bucket,
     skinny_config,
 )
+from foldckpt.tune.search import triton_unfolded_query  # noqa: E402
 
 # (model, heads in all, TP, RoPE): Kimi-K3 is NoPE, DeepSeek-V3 rotates its rope slot.
 MODELS = (
@@ -116,14 +125,13 @@ MODELS = (
     ("DeepSeek-V3", 128, 8, True),
 )
 MS = (1, 2, 4, 8, 14, 28, 56, 112, 224, 512, 1024, 2048, 8192)
-LAYER_COPIES = 16
-CALLS_PER_GRAPH = 32
 VARIANTS = (
-    "unfolded_cublas", "unfolded_triton", "unfolded_skinny", "folded_torch", "folded_triton", "folded_skinny", "routed",
+    "unfolded_cublas", "unfolded_triton", "unfolded_skinny", "folded", "folded_torch", "folded_triton", "folded_skinny",
+    "routed",
     "folded_fp8", "folded_fp8_triton", "folded_fp8_skinny", "fp8_routed", "path_unfolded", "path_routed",
     "path_fp8_routed",
 )  # fmt: skip
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 COLUMNS = {
     "unfolded_us": "the fastest of unfolded_cublas_us, unfolded_triton_us and unfolded_skinny_us at this M "
     "(the fair baseline; schema 1: cuBLAS only)",
@@ -137,7 +145,8 @@ COLUMNS = {
     "folded_triton_us": "fold GEMM through the tuned Triton kernel; null above M = 256",
     "folded_skinny_us": "fold GEMM through the skinny kernel; null above M = 16; fold_gemm runs it where the "
     "table's bucket says skinny (fold_backend_by_m in meta.shapes)",
-    "routed_us": "fold_gemm (timed) if M <= fold_max_tokens, else the unfolded path (unfolded_us)",
+    "folded_us": "schema 4: fold_gemm, the backend the plugin runs at this M",
+    "routed_us": "folded_us if M <= fold_max_tokens (meta.shapes, with its route_source), else unfolded_us",
     "floor_us": "bytes of W_fold + x + y over the measured copy bandwidth",
     "unfolded_floor_us": "bytes of q_b_proj + W_UK + x + q + ql_nope over the measured copy bandwidth",
     "path_unfolded_us": "RoPE models only: q_b_proj (cuBLAS), one RoPE launch, W_UK bmm; null for NoPE",
@@ -148,7 +157,7 @@ COLUMNS = {
     "folded_fp8_triton_us": "schema 3: the fp8 fold through the tiled fp8 Triton kernel with this M's bucket config; "
     "null above M = 256",
     "folded_fp8_skinny_us": "schema 3: the fp8 fold through the skinny fp8 Triton kernel; null above M = 16",
-    "fp8_routed_us": "schema 3: fold_gemm fp8 if M <= the fp8 fold_max_tokens (meta.shapes), else unfolded_us",
+    "fp8_routed_us": "schema 3: folded_fp8_us if M <= the fp8 fold_max_tokens (meta.shapes), else unfolded_us",
     "fp8_floor_us": "schema 3: bytes of the e4m3 W_fold + its fp32 scale + x + y over the measured copy bandwidth",
     "path_fp8_routed_us": "schema 3, RoPE models only: fold_query with the fp8 weight if M <= the fp8 fold_max_tokens, "
     "else path_unfolded",
@@ -184,9 +193,6 @@ class Layers:
         self.fp8s = [fp8.clone() for _ in range(LAYER_COPIES)]
         self.scales = [scale.clone() for _ in range(LAYER_COPIES)]
 
-    def order(self) -> list[int]:
-        return [i % LAYER_COPIES for i in range(CALLS_PER_GRAPH)]
-
 
 def as_query(out: Query, dims: MlaDims) -> torch.Tensor:
     """The [M, n, L+R] decode query of either path: the fold's y viewed, or [ql_nope | q_pe]."""
@@ -207,8 +213,8 @@ def variants_at(
     fp8_max_tokens: int = 0,
 ) -> dict[str, Callable[[int], Query]]:
     """The timed q projections for input ``x``, each a function of the layer copy index; the RoPE
-    path variants only where ``rope`` is given, ``routed`` only where it takes the fold (and
-    ``fp8_routed`` only where it takes the fp8 fold)."""
+    path variants only where ``rope`` is given (``routed`` and ``fp8_routed`` are ``folded`` /
+    ``folded_fp8`` or the unfolded path, not timed again)."""
     from foldckpt.runtime.kernels import triton_gemm
 
     m, dims = x.shape[0], layers.dims
@@ -239,7 +245,7 @@ def variants_at(
         triton_gemm.launch_fold_gemm(x, layers.folds[i], y, cfg)
         return y
 
-    def routed(i: int) -> Query:
+    def folded(i: int) -> Query:
         return fold_gemm(x, layers.folds[i])
 
     def folded_fp8(i: int) -> Query:
@@ -255,11 +261,12 @@ def variants_at(
         triton_gemm.launch_skinny_gemm(x, layers.fp8s[i], y, sk_fp8, scale=layers.scales[i])
         return y
 
-    variants = {"unfolded_cublas": unfolded_cublas, "folded_torch": folded_torch, "folded_fp8": folded_fp8}
-    if m <= max_tokens:
-        variants["routed"] = routed
-    if m <= fp8_max_tokens:
-        variants["fp8_routed"] = folded_fp8
+    variants = {
+        "unfolded_cublas": unfolded_cublas,
+        "folded": folded,
+        "folded_torch": folded_torch,
+        "folded_fp8": folded_fp8,
+    }
     if fp8_cfg is not None:
         variants["folded_fp8_triton"] = folded_fp8_triton
     if sk_fp8 is not None:
@@ -301,9 +308,12 @@ def bench_model(
     layers = Layers(dims, device)
     n, k = dims.fold_rows, dims.q_lora
     qn = layers.qb.shape[0]
-    max_tokens = fold_route_max_tokens(n, k, device)
-    fp8_max_tokens = fold_route_max_tokens(n, k, device, weight_dtype=FP8_WEIGHT_DTYPE)
-    warmup_fold_gemm(layers.fold, min(max(MS), max_tokens))
+    # As the plugin routes on this GPU: its table, else its start-up measurement (or that one's cache).
+    route, fp8_route = fold_route(dims, device), fold_route(dims, device, FP8_WEIGHT_DTYPE)
+    max_tokens, fp8_max_tokens = route.max_tokens, fp8_route.max_tokens
+    print(f"{model} TP{tp}: bf16 {route.describe()}; fp8 {fp8_route.describe()}", flush=True)
+    # The bf16 fold is timed through fold_gemm at every M too.
+    warmup_fold_gemm(layers.fold, TRITON_MAX_M)
     # The fp8 fold is timed through fold_gemm at every M: warm all of its buckets.
     warmup_fold_gemm(layers.fp8, TRITON_MAX_M, scale=layers.scale)
     if uses_rope:
@@ -377,14 +387,12 @@ def bench_model(
             (fp8_errs if fp8 else errs)[name] = relative_error(as_query(fn(0), dims), expected)
             errors[name] = max(errors.get(name, 0.0), (fp8_errs if fp8 else errs)[name])
         settle_clocks(device)
-        times = time_graphs_us({name: [partial(fn, i) for i in layers.order()] for name, fn in variants.items()})
+        times = time_graphs_us({name: [partial(fn, i) for i in layer_order()] for name, fn in variants.items()})
         unfolded = {kn: times.get(f"unfolded_{kn}") for kn in ("cublas", "triton", "skinny")}
         kernel = min((kn for kn, v in unfolded.items() if v is not None), key=lambda kn: unfolded[kn])
-        if m > max_tokens:
-            # The router leaves this batch to the unfolded path: the same launches as the baseline.
-            times["routed"] = unfolded[kernel]
-        if m > fp8_max_tokens:
-            times["fp8_routed"] = unfolded[kernel]
+        # Above its threshold the router leaves a batch to the unfolded path: the baseline's launches.
+        times["routed"] = times["folded"] if m <= max_tokens else unfolded[kernel]
+        times["fp8_routed"] = times["folded_fp8"] if m <= fp8_max_tokens else unfolded[kernel]
         kernels_won[m] = kernel
         floor_bytes = (n * k + m * k + m * n) * 2
         fp8_floor_bytes = n * k + n * 4 + (m * k + m * n) * 2
@@ -401,6 +409,7 @@ def bench_model(
             "unfolded_cublas_us": rounded.get("unfolded_cublas"),
             "unfolded_triton_us": rounded.get("unfolded_triton"),
             "unfolded_skinny_us": rounded.get("unfolded_skinny"),
+            "folded_us": rounded.get("folded"),
             "folded_torch_us": rounded.get("folded_torch"),
             "folded_triton_us": rounded.get("folded_triton"),
             "folded_skinny_us": rounded.get("folded_skinny"),
@@ -433,9 +442,13 @@ def bench_model(
         "q_b_proj_n": qn,
         "rope": uses_rope,
         "fold_max_tokens": max_tokens,
+        "route_source": route.describe(),
+        "bench_fold_max_tokens": bench_threshold(records, "folded_us"),
         "q_b_proj_kernel_by_m": kernels_won,
         "fold_backend_by_m": fold_backends,
         "fp8_fold_max_tokens": fp8_max_tokens,
+        "fp8_route_source": fp8_route.describe(),
+        "bench_fp8_fold_max_tokens": bench_threshold(records, "folded_fp8_us"),
         "fp8_backend_by_m": fp8_backends,
         "fp8_quant_relerr": float(f"{fp8_quant_relerr:.3e}"),
         "max_relerr_by_variant": errors,
@@ -469,12 +482,30 @@ def target_checks(records: list[dict], shapes: list[dict], overhead: float) -> l
             f"{shape['model']} TP{shape['tp']}: fold_max_tokens={shape['fold_max_tokens']}; q_b_proj kernel of the "
             f"unfolded baseline by M: {won}; fold_gemm backend by M: {fold}"
         )
-    worst = min(records, key=lambda r: routed_ratio(r))
-    lines.append(
-        f"routed vs best of folded/unfolded: worst {routed_ratio(worst):.3f}x at {worst['model']} TP{worst['tp']} "
-        f"M={worst['M']} (target >= 0.97)"
-    )
+    for dtype, folded, routed in (("bf16", "folded_us", "routed_us"), ("fp8", "folded_fp8_us", "fp8_routed_us")):
+        worst = min(records, key=lambda r: routing_ratio(r, folded, routed))
+        lines.append(
+            f"{dtype} routed vs the faster of folded and unfolded: worst {routing_ratio(worst, folded, routed):.3f}x "
+            f"at {worst['model']} TP{worst['tp']} M={worst['M']} (target >= 0.97)"
+        )
+    for shape in shapes:
+        lines.append(
+            f"{shape['model']} TP{shape['tp']}: bf16 {shape['route_source']}, this run's timings give "
+            f"{shape['bench_fold_max_tokens']}; fp8 {shape['fp8_route_source']}, this run's timings give "
+            f"{shape['bench_fp8_fold_max_tokens']}"
+        )
     return lines
+
+
+def routing_ratio(r: dict, folded: str, routed: str) -> float:
+    """The routing target at a record: the faster of the fold (``folded``, as fold_gemm runs it) and
+    the unfolded path, over the routed time (``routed``)."""
+    return min(r["unfolded_us"], r[folded]) / r[routed]
+
+
+def bench_threshold(records: list[dict], folded: str) -> int:
+    """The threshold this run's own timings give, by the rule the tuner and the start-up measurement apply."""
+    return decide_fold_max_tokens([(r["M"], r[folded], r["unfolded_us"]) for r in sorted(records, key=lambda r: r["M"])])
 
 
 def best_bf16_fold(r: dict) -> float:
@@ -524,11 +555,6 @@ def best_triton_fold(r: dict) -> tuple[float, str]:
     options = {"tiled": r["folded_triton_us"], "skinny": r.get("folded_skinny_us")}
     kernel = min((k for k, v in options.items() if v is not None), key=lambda k: options[k])
     return options[kernel], kernel
-
-
-def routed_ratio(r: dict) -> float:
-    paths = (r["unfolded_us"], r["folded_torch_us"], r["folded_triton_us"], r.get("folded_skinny_us"))
-    return min(v for v in paths if v is not None) / r["routed_us"]
 
 
 def plot(doc: dict, path: Path) -> None:

@@ -30,7 +30,8 @@ from foldckpt.defaults import SCALED_FOLD_DTYPES
 from foldckpt.errors import FoldckptError
 from foldckpt.model.geometry import Geometry, MLALayer
 from foldckpt.runtime import stats
-from foldckpt.runtime.kernels import fold_route_max_tokens, fp8_fold_runs_as_fp8
+from foldckpt.runtime.kernels import fold_route, fp8_fold_runs_as_fp8
+from foldckpt.runtime.kernels.reference import MlaDims
 from foldckpt.runtime.loader import FoldSet, served_fold_set
 from foldckpt.runtime.weights import FoldBuild, SidecarFoldMethod
 
@@ -166,22 +167,25 @@ def attach_fold(
             f"rope, v) = {astuple(built)}, the fold manifest describes {astuple(BuiltMLA.of(g))}; {_REMEDY}"
         )
     build = _current_build(fold_set)
-    shape = (local_heads * g.fold_head_dim, g.q_lora_rank)
+    dims = MlaDims(local_heads, g.qk_nope_head_dim, g.qk_rope_head_dim, g.kv_lora_rank, g.q_lora_rank)
     device = torch.get_default_device()
     fp8 = fold_set.manifest.fold_dtype in SCALED_FOLD_DTYPES and fp8_fold_runs_as_fp8(device)
-    max_tokens = fold_route_max_tokens(*shape, device, torch.float8_e4m3fn if fp8 else None)
-    if max_tokens == 0:
-        build.layer_unfolded(shape)
+    # vLLM builds layers with the GPU set and before any CUDA graph capture: where a GPU without a
+    # tuning table may time the fold (once per shape and dtype in this process).
+    act_dtype = get_current_vllm_config().model_config.dtype
+    route = fold_route(dims, device, torch.float8_e4m3fn if fp8 else None, act_dtype)
+    if route.max_tokens == 0:
+        build.layer_unfolded((dims.fold_rows, dims.q_lora), route)
         return None
     build.built += 1
     q_fold = ColumnParallelLinear(
         g.q_lora_rank, g.num_heads * g.fold_head_dim, bias=False, quant_config=None, prefix=f"{prefix}.q_fold"
     )
-    fold = LayerFold(q_fold, layer, max_tokens, counts_steps=layer == g.layers[0])
+    fold = LayerFold(q_fold, layer, route.max_tokens, counts_steps=layer == g.layers[0])
 
     def loaded() -> str:
         fold.mark_loaded()
         return on_loaded()
 
-    q_fold.quant_method = SidecarFoldMethod(fold_set, layer, build, max_tokens, loaded)
+    q_fold.quant_method = SidecarFoldMethod(fold_set, layer, build, route, loaded)
     return fold

@@ -23,7 +23,7 @@ import os
 import re
 from collections.abc import Mapping
 
-from foldckpt.errors import FoldckptError
+from foldckpt.defaults import env_switch
 
 DISABLE_ENV = "FOLDCKPT_DISABLE"
 _DISABLE_WORDS = {
@@ -52,14 +52,7 @@ def disabled(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether ``FOLDCKPT_DISABLE`` turns the plugin off. A value that is neither a yes nor a no is
     refused rather than guessed: read as "on", ``FOLDCKPT_DISABLE=of`` would fold a checkpoint its
     operator meant to serve stock, and read as "off" it would do the opposite."""
-    raw = environ.get(DISABLE_ENV, "")
-    try:
-        return _DISABLE_WORDS[raw.strip().lower()]
-    except KeyError:
-        raise FoldckptError(
-            f"{DISABLE_ENV}={raw!r}: use 1, true, yes or on to serve checkpoints unfolded; 0, false, no, off "
-            "or unset to fold them"
-        ) from None
+    return env_switch(DISABLE_ENV, False, "serve checkpoints unfolded", "fold them", environ)
 
 
 def unsupported_version(version: str) -> str | None:

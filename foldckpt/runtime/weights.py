@@ -31,7 +31,7 @@ from foldckpt.errors import FoldckptError
 from foldckpt.fold import dequantize_fp8_rows
 from foldckpt.model.geometry import MLALayer, describe_layers
 from foldckpt.runtime import stats
-from foldckpt.runtime.kernels import fp8_fold_runs_as_fp8, warmup_fold_gemm
+from foldckpt.runtime.kernels import Route, fp8_fold_runs_as_fp8, warmup_fold_gemm
 from foldckpt.runtime.loader import FoldSet
 
 # Under "vllm." so that vLLM's log handler and VLLM_LOGGING_LEVEL apply.
@@ -48,7 +48,7 @@ class FoldBuild:
     loaded: list[MLALayer] = field(default_factory=list)
     unfolded_logged: bool = False
 
-    def layer_loaded(self, layer: MLALayer, max_tokens: int, computed: str, decode_rope: str) -> None:
+    def layer_loaded(self, layer: MLALayer, route: Route, computed: str, decode_rope: str) -> None:
         self.loaded.append(layer)
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         recorder = stats.open_worker_stats(tp_rank, tp_size)
@@ -58,21 +58,22 @@ class FoldBuild:
             logger.info(
                 "foldckpt: folded %d MLA layers of %s (fold %s, computed in %s); decode batches of "
                 "at most %d tokens use q_fold (%s), larger ones and all prefill rows use q_b_proj "
-                "(tp rank %d of %d); layers %s",
-                self.built, self.fold_set.model_dir, self.fold_set.manifest.fold_dtype, computed, max_tokens, decode_rope, tp_rank, tp_size,
+                "(tp rank %d of %d; %s); layers %s",
+                self.built, self.fold_set.model_dir, self.fold_set.manifest.fold_dtype,
+                computed, route.max_tokens, decode_rope, tp_rank, tp_size, route.describe(),
                 describe_layers(sorted(self.loaded, key=lambda layer: layer.index)),
             )  # fmt: skip
 
-    def layer_unfolded(self, shape: tuple[int, int]) -> None:
+    def layer_unfolded(self, shape: tuple[int, int], route: Route) -> None:
         """A layer whose routing threshold is 0: nothing is loaded; say so once per build."""
         if self.unfolded_logged:
             return
         self.unfolded_logged = True
         logger.info(
             "foldckpt: %s is served UNFOLDED: the routing threshold for the fold shape %s on this "
-            "device is 0 (the fold never beats q_b_proj + W_UK here), so no fold is loaded and no "
-            "memory is spent on it (tp rank %d of %d); FOLDCKPT_FOLD_MAX_TOKENS=N overrides",
-            self.fold_set.model_dir, list(shape), get_tensor_model_parallel_rank(),
+            "device is 0 (%s), so no fold is loaded and no memory is spent on it (tp rank %d of %d); "
+            "FOLDCKPT_FOLD_MAX_TOKENS=N overrides",
+            self.fold_set.model_dir, list(shape), route.describe(), get_tensor_model_parallel_rank(),
             get_tensor_model_parallel_world_size(),
         )  # fmt: skip
 
@@ -89,13 +90,13 @@ class SidecarFoldMethod(UnquantizedLinearMethod):
     supports_pre_processed_weights = False
 
     def __init__(
-        self, fold_set: FoldSet, layer: MLALayer, build: FoldBuild, max_tokens: int, on_loaded: Callable[[], str]
+        self, fold_set: FoldSet, layer: MLALayer, build: FoldBuild, route: Route, on_loaded: Callable[[], str]
     ) -> None:
         super().__init__()
         self.fold_set = fold_set
         self.mla_layer = layer
         self.build = build
-        self.max_tokens = max_tokens
+        self.route = route
         self.on_loaded = on_loaded
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
@@ -119,8 +120,8 @@ class SidecarFoldMethod(UnquantizedLinearMethod):
         dtype, device = weight.dtype, weight.device
         super().process_weights_after_loading(layer)
         if device.type == "cuda":
-            warmup_fold_gemm(layer.weight, self.max_tokens)
-        self.build.layer_loaded(self.mla_layer, self.max_tokens, str(dtype).removeprefix("torch."), self.on_loaded())
+            warmup_fold_gemm(layer.weight, self.route.max_tokens)
+        self.build.layer_loaded(self.mla_layer, self.route, str(dtype).removeprefix("torch."), self.on_loaded())
 
     def _load_fp8(self, layer: torch.nn.Module, rows: torch.Tensor, scale: torch.Tensor) -> None:
         """Keep an fp8 fold as e4m3 plus its per-row scale (``weight_scale``) on the GPU: half the
@@ -129,7 +130,7 @@ class SidecarFoldMethod(UnquantizedLinearMethod):
         dtype, device = layer.weight.dtype, layer.weight.device
         layer.weight = torch.nn.Parameter(rows.to(device), requires_grad=False)
         layer.weight_scale = torch.nn.Parameter(scale.to(device), requires_grad=False)
-        warmup_fold_gemm(layer.weight, self.max_tokens, scale=layer.weight_scale, x_dtype=dtype)
+        warmup_fold_gemm(layer.weight, self.route.max_tokens, scale=layer.weight_scale, x_dtype=dtype)
         # The log says which kernel serves it: an operator must be able to tell e4m3 from a fold
         # dequantized at load (CPU, older GPUs), whose line says "computed in bfloat16".
-        self.build.layer_loaded(self.mla_layer, self.max_tokens, FP8_KERNEL_LOG, self.on_loaded())
+        self.build.layer_loaded(self.mla_layer, self.route, FP8_KERNEL_LOG, self.on_loaded())

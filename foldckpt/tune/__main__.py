@@ -2,6 +2,6 @@
 
 import sys
 
-from foldckpt.tune.bf16 import main
+from foldckpt.tune.cli import main
 
 sys.exit(main())

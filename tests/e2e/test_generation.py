@@ -91,6 +91,8 @@ def test_plugin_logs_what_it_did_and_stats_prove_the_routing(folded_fp32: Engine
     assert "fold float32, computed in float32" in folded_fp32.log
     # The tiny model's YaRN RoPE is one fold_query reproduces: the plugin does the decode RoPE.
     assert "(q/k RoPE by fold_query)" in folded_fp32.log
+    # Where the threshold came from: on the CPU its default (no GPU timing there).
+    assert "threshold 256 from cpu: the CPU default" in folded_fp32.log
     stats = folded_fp32.stats
     assert stats is not None, "FOLDCKPT_STATS_FILE was not written"
     # Every decode token took the fold, every prefill row took q_b_proj, and the mixed step was

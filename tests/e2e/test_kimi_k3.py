@@ -230,6 +230,7 @@ def test_threshold_zero_loads_no_fold_and_serves_stock_tokens(engine_dir: Path, 
                env={"FOLDCKPT_FOLD_MAX_TOKENS": "0"})  # fmt: skip
     assert run.tokens == reference_short.tokens
     assert "is served UNFOLDED: the routing threshold" in run.log
+    assert "threshold 0 from env: FOLDCKPT_FOLD_MAX_TOKENS=0" in run.log
     assert "foldckpt: folded" not in run.log
     assert run.stats is None  # no layer holds a fold, nothing was routed
 

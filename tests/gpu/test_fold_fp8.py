@@ -15,15 +15,15 @@ from foldckpt.runtime.kernels import (
     dispatch,
     fold_gemm,
     fold_query,
-    fold_route_max_tokens,
+    fold_route,
     gpu_key,
     warmup_fold_gemm,
     warmup_fold_query,
 )
 from foldckpt.runtime.kernels.reference import MlaDims, decode_rope
 from foldckpt.runtime.kernels.rope import rope_gptj
+from foldckpt.runtime.kernels.routing import ENV_FOLD_MAX_TOKENS
 from foldckpt.runtime.kernels.tuning import (
-    ENV_FOLD_MAX_TOKENS,
     FP8_UNTUNED_CONFIGS,
     FP8_WEIGHT_DTYPE,
     TRITON_MAX_M,
@@ -282,8 +282,11 @@ def test_fp8_route_max_tokens_reads_its_own_entries(cuda: torch.device, monkeypa
     table = load_table(gpu_key(cuda))
     if table is None or not table.fp8_shapes:
         pytest.skip(f"no [[fp8_shape]] entries in the {gpu_key(cuda)} table")
+    def dims(n: int, k: int) -> MlaDims:
+        return MlaDims(n // MlaDims(1).fold_head, q_lora=k)
+
     for (n, k), entry in table.fp8_shapes.items():
-        assert fold_route_max_tokens(n, k, cuda, weight_dtype=FP8_WEIGHT_DTYPE) == entry.fold_max_tokens
+        assert fold_route(dims(n, k), cuda, FP8_WEIGHT_DTYPE).max_tokens == entry.fold_max_tokens
     for (n, k), entry in table.shapes.items():
-        assert fold_route_max_tokens(n, k, cuda) == entry.fold_max_tokens
-        assert fold_route_max_tokens(n, k, cuda, weight_dtype=torch.bfloat16) == entry.fold_max_tokens
+        assert fold_route(dims(n, k), cuda).max_tokens == entry.fold_max_tokens
+        assert fold_route(dims(n, k), cuda, torch.bfloat16).max_tokens == entry.fold_max_tokens

@@ -15,7 +15,7 @@ from foldckpt.runtime.kernels import (
     dispatch,
     fold_gemm,
     fold_query,
-    fold_route_max_tokens,
+    fold_route,
     gpu_key,
     rope_query,
     tuning,
@@ -24,10 +24,9 @@ from foldckpt.runtime.kernels import (
 )
 from foldckpt.runtime.kernels.reference import MlaDims, decode_rope, reference_query
 from foldckpt.runtime.kernels.rope import rope_gptj
+from foldckpt.runtime.kernels.routing import AUTOTUNE_ENV, ENV_FOLD_MAX_TOKENS
 from foldckpt.runtime.kernels.tuning import (
-    ENV_FOLD_MAX_TOKENS,
     TRITON_MAX_M,
-    UNKNOWN_GPU_FOLD_MAX_TOKENS,
     KernelConfig,
     SkinnyConfig,
     load_table,
@@ -133,7 +132,7 @@ def test_skinny_kernel_matches_fp64(cuda: torch.device, gen: torch.Generator, n:
 
 def test_triton_unfolded_query_matches_fp64(cuda: torch.device, gen: torch.Generator) -> None:
     """The benchmark's and tuner's unfolded baseline with the Triton q_b_proj kernel: vLLM's math."""
-    tune = pytest.importorskip("foldckpt.tune.bf16")
+    tune = pytest.importorskip("foldckpt.tune.search")
     triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
     dims = MlaDims(12)
     qn = dims.heads * (dims.nope + dims.rope)
@@ -451,28 +450,35 @@ def test_cuda_graph_capture_and_replay(cuda: torch.device, gen: torch.Generator)
             assert relerr(y, x, w) < MAX_RELERR
 
 
-def test_route_max_tokens_reads_table(cuda: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+def _dims(n: int, k: int = K) -> MlaDims:
+    return MlaDims(n // MlaDims(1).fold_head, q_lora=k)
+
+
+def test_route_reads_table(cuda: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_FOLD_MAX_TOKENS, raising=False)
+    monkeypatch.setenv(AUTOTUNE_ENV, "0")
     table = load_table(gpu_key(cuda))
+    # A shape no table measured (another k) is never guessed: with the start-up measurement off, no fold.
+    assert fold_route(_dims(SHAPES[1], K + 64), cuda).max_tokens == 0
     if table is None:
-        assert fold_route_max_tokens(SHAPES[1], K, cuda) == UNKNOWN_GPU_FOLD_MAX_TOKENS
+        assert fold_route(_dims(SHAPES[1]), cuda).source == "off"
         return
     for (n, k), entry in table.shapes.items():
-        assert fold_route_max_tokens(n, k, cuda) == entry.fold_max_tokens
+        route = fold_route(_dims(n, k), cuda)
+        assert (route.max_tokens, route.source) == (entry.fold_max_tokens, "table")
     measured = sorted(n for n, k in table.shapes if k == K)
     if len(measured) >= 2:
         lo, hi = measured[0], measured[1]
-        between = (lo + hi) // 2
+        between = (lo + hi) // 2 // 576 * 576
         expected = min(table.shapes[(lo, K)].fold_max_tokens, table.shapes[(hi, K)].fold_max_tokens)
-        assert fold_route_max_tokens(between, K, cuda) == expected
-    assert fold_route_max_tokens(SHAPES[1], K + 7, cuda) == UNKNOWN_GPU_FOLD_MAX_TOKENS
+        assert fold_route(_dims(between), cuda).max_tokens == expected
 
 
-def test_route_max_tokens_env_override(cuda: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_route_env_override(cuda: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_FOLD_MAX_TOKENS, "37")
-    assert fold_route_max_tokens(SHAPES[1], K, cuda) == 37
+    assert fold_route(_dims(SHAPES[1]), cuda).max_tokens == 37
     monkeypatch.setenv(ENV_FOLD_MAX_TOKENS, "0")
-    assert fold_route_max_tokens(SHAPES[1], K, cuda) == 0
+    assert fold_route(_dims(SHAPES[1]), cuda).max_tokens == 0
 
 
 def test_torch_fallback_for_untuned_shape(cuda: torch.device, gen: torch.Generator) -> None:

@@ -106,3 +106,33 @@ def test_the_test_extra_carries_what_the_tests_import_beyond_the_core() -> None:
     imported = {dist(name) for name in third_party_imports(tests) - local} - {"vllm"} - RUNTIME_PROVIDED
     declared = requirement_names(meta["dependencies"]) | requirement_names(meta["optional-dependencies"]["test"])
     assert imported <= declared, imported - declared
+
+
+def _foldckpt_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of every ``from foldckpt... import names`` / ``import foldckpt...`` in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("foldckpt"):
+            found.append((node.module, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names if alias.name.startswith("foldckpt")]
+    return found
+
+
+def test_the_tuner_is_one_acyclic_package_outside_the_plugin() -> None:
+    """The tuner (``foldckpt.tune``) imports no private name from another module and has no import
+    cycle; nothing the vLLM plugin imports (``foldckpt.runtime``) imports the tuner."""
+    modules = {f"foldckpt.tune.{p.stem}": p for p in (PACKAGE / "tune").glob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        imports = _foldckpt_imports(path)
+        private = [(module, n) for module, names in imports for n in names if n.startswith("_")]
+        assert not private, f"{path.name} imports private names {private}"
+        edges[name] = {module for module, _ in imports if module in modules and module != name}
+
+    def reaches(start: str, goal: str, seen: frozenset[str] = frozenset()) -> bool:
+        return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})) for nxt in edges[start])
+
+    assert not [name for name in modules if reaches(name, name)], edges
+    for path in (PACKAGE / "runtime").rglob("*.py"):
+        assert not [m for m, _ in _foldckpt_imports(path) if m.startswith("foldckpt.tune")], path

@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from foldckpt.errors import FoldckptError
-from foldckpt.runtime.kernels import fold_gemm, fold_route_max_tokens, gpu_key, warmup_fold_gemm
+from foldckpt.runtime.kernels import fold_gemm, fold_route, gpu_key, warmup_fold_gemm
+from foldckpt.runtime.kernels.reference import MlaDims
+from foldckpt.runtime.kernels.routing import ENV_FOLD_MAX_TOKENS
 from foldckpt.runtime.kernels.device import gpu_key_from_name
 from foldckpt.runtime.kernels.tuning import (
     CPU_FOLD_MAX_TOKENS,
-    ENV_FOLD_MAX_TOKENS,
     TRITON_MAX_M,
-    _crossover,
+    table_fold_max_tokens,
     config_dir,
     load_table,
     parse_table,
@@ -65,18 +66,18 @@ def test_warmup_is_a_noop_on_cpu() -> None:
 
 def test_route_default_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_FOLD_MAX_TOKENS, raising=False)
-    assert fold_route_max_tokens(6912, 1536, CPU) == CPU_FOLD_MAX_TOKENS == 256
+    assert fold_route(MlaDims(12), CPU).max_tokens == CPU_FOLD_MAX_TOKENS == 256
 
 
 def test_route_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_FOLD_MAX_TOKENS, "48")
-    assert fold_route_max_tokens(6912, 1536, CPU) == 48
+    assert fold_route(MlaDims(12), CPU).max_tokens == 48
     monkeypatch.setenv(ENV_FOLD_MAX_TOKENS, " ")
-    assert fold_route_max_tokens(6912, 1536, CPU) == CPU_FOLD_MAX_TOKENS
+    assert fold_route(MlaDims(12), CPU).max_tokens == CPU_FOLD_MAX_TOKENS
     for bad in ("lots", "-1", "1.5"):
         monkeypatch.setenv(ENV_FOLD_MAX_TOKENS, bad)
         with pytest.raises(FoldckptError, match=ENV_FOLD_MAX_TOKENS):
-            fold_route_max_tokens(6912, 1536, CPU)
+            fold_route(MlaDims(12), CPU).max_tokens
 
 
 @pytest.mark.parametrize(
@@ -138,12 +139,12 @@ def test_parse_table_rejects_bad_documents() -> None:
 
 def test_crossover_uses_measured_or_conservative_neighbour() -> None:
     table = parse_table(_doc([(3456, 256), (6912, 224), (13824, 192)]), "t")
-    assert _crossover(table, 6912, 1536) == 224
-    assert _crossover(table, 4608, 1536) == 224  # min of the neighbours 3456 and 6912
-    assert _crossover(table, 9216, 1536) == 192  # min of 6912 and 13824
-    assert _crossover(table, 1152, 1536) == 256  # below every measured n: the nearest
-    assert _crossover(table, 27648, 1536) == 192
-    assert _crossover(table, 6912, 1024) is None  # another k: nothing measured
+    assert table_fold_max_tokens(table, 6912, 1536) == 224
+    assert table_fold_max_tokens(table, 4608, 1536) == 224  # min of the neighbours 3456 and 6912
+    assert table_fold_max_tokens(table, 9216, 1536) == 192  # min of 6912 and 13824
+    assert table_fold_max_tokens(table, 1152, 1536) == 256  # below every measured n: the nearest
+    assert table_fold_max_tokens(table, 27648, 1536) == 192
+    assert table_fold_max_tokens(table, 6912, 1024) is None  # another k: nothing measured
 
 
 def test_import_needs_no_triton() -> None:
@@ -363,7 +364,7 @@ def _grid_row(m: int, triton: float, torch_us: float, unfolded: float, skinny: f
 
 
 def _grid(skinny: dict[int, float], fold: float = 8.0, unfolded: float = 9.0) -> list[dict]:
-    from foldckpt.tune.bf16 import GRID_M
+    from foldckpt.tune.search import GRID_M
 
     return [
         _grid_row(m, fold if m <= 32 else 20.0, fold + 1 if m <= 32 else 10.0, unfolded if m <= 64 else 9.5,
@@ -373,7 +374,7 @@ def _grid(skinny: dict[int, float], fold: float = 8.0, unfolded: float = 9.0) ->
 
 
 def test_decide_splits_the_first_bucket_where_skinny_wins() -> None:
-    from foldckpt.tune.bf16 import decide
+    from foldckpt.tune.search import decide
 
     # Tiled Triton wins M <= 32 (8.0 vs torch 9.0), torch above; the skinny fold wins at M=1 and 2 only.
     backends, _, crossover = decide(_grid({1: 6.0, 2: 7.5}))
@@ -398,7 +399,8 @@ def test_decide_splits_the_first_bucket_where_skinny_wins() -> None:
 
 def test_tuner_buckets_round_trip_through_the_toml() -> None:
     """What the tuner writes for a skinny split parses, and kernel_config_for reads it back."""
-    from foldckpt.tune.bf16 import BUCKETS, decide, table_buckets, toml_text
+    from foldckpt.tune.search import BUCKETS, decide, table_buckets
+    from foldckpt.tune.table import toml_text
 
     rows = _grid({1: 6.0, 2: 7.5})
     backends, _, crossover = decide(rows)
@@ -416,10 +418,10 @@ def test_tuner_buckets_round_trip_through_the_toml() -> None:
 
 def test_shipped_table_follows_its_measurements() -> None:
     """Every shipped shape whose grid is in docs/bench/tune_<gpu>.json has the backends and the
-    threshold ``tune.decide`` derives from it: the dispatcher only follows the tuner's decision."""
+    threshold ``search.decide`` derives from it: the dispatcher only follows the tuner's decision."""
     import json
 
-    from foldckpt.tune.bf16 import decide
+    from foldckpt.tune.search import decide
 
     checked = 0
     for path in sorted(config_dir().glob("*.toml")):

@@ -15,18 +15,18 @@ import torch
 
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import quantize_fp8_rows
-from foldckpt.runtime.kernels import fold_gemm, fold_query, fold_route_max_tokens, warmup_fold_gemm
+from foldckpt.runtime.kernels import fold_gemm, fold_query, fold_route, warmup_fold_gemm
+from foldckpt.runtime.kernels.routing import ENV_FOLD_MAX_TOKENS
 from foldckpt.runtime.kernels.reference import MlaDims, decode_rope
 from foldckpt.runtime.kernels.rope import rope_gptj
 from foldckpt.runtime.kernels.tuning import (
     CPU_FOLD_MAX_TOKENS,
-    ENV_FOLD_MAX_TOKENS,
     FP8_UNTUNED_CONFIGS,
     FP8_WEIGHT_DTYPE,
     TRITON_MAX_M,
     KernelConfig,
     SkinnyConfig,
-    _crossover,
+    table_fold_max_tokens,
     config_dir,
     kernel_config_for,
     parse_table,
@@ -186,21 +186,22 @@ def test_warm_ms_for_fp8(fp8_table, monkeypatch: pytest.MonkeyPatch) -> None:  #
 
 def test_fp8_route_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_FOLD_MAX_TOKENS, raising=False)
-    assert fold_route_max_tokens(6912, 1536, CPU, weight_dtype=FP8_WEIGHT_DTYPE) == CPU_FOLD_MAX_TOKENS
+    assert fold_route(MlaDims(12), CPU, FP8_WEIGHT_DTYPE).max_tokens == CPU_FOLD_MAX_TOKENS
     monkeypatch.setenv(ENV_FOLD_MAX_TOKENS, "9")
-    assert fold_route_max_tokens(6912, 1536, CPU, weight_dtype=FP8_WEIGHT_DTYPE) == 9
+    assert fold_route(MlaDims(12), CPU, FP8_WEIGHT_DTYPE).max_tokens == 9
     table = parse_table(_doc(), "t")
-    assert _crossover(table, 6912, 1536) == 64
-    assert _crossover(table, 6912, 1536, FP8_WEIGHT_DTYPE) == 128
-    assert _crossover(table, 9216, 1536, FP8_WEIGHT_DTYPE) == 128, "the nearest measured fp8 shape"
+    assert table_fold_max_tokens(table, 6912, 1536) == 64
+    assert table_fold_max_tokens(table, 6912, 1536, FP8_WEIGHT_DTYPE) == 128
+    assert table_fold_max_tokens(table, 9216, 1536, FP8_WEIGHT_DTYPE) == 128, "the nearest measured fp8 shape"
     no_fp8 = _doc()
     del no_fp8["fp8_shape"], no_fp8["skinny"]
-    assert _crossover(parse_table(no_fp8, "t"), 6912, 1536, FP8_WEIGHT_DTYPE) == 64, "no fp8 entries: the bf16 one"
-    assert _crossover(table, 6912, 1024, FP8_WEIGHT_DTYPE) is None
+    assert table_fold_max_tokens(parse_table(no_fp8, "t"), 6912, 1536, FP8_WEIGHT_DTYPE) == 64, "no fp8 entries: the bf16 one"
+    assert table_fold_max_tokens(table, 6912, 1024, FP8_WEIGHT_DTYPE) is None
 
 
 def test_tuner_writes_fp8_shapes_that_parse() -> None:
-    from foldckpt.tune.bf16 import decide, table_buckets, toml_text
+    from foldckpt.tune.search import decide, table_buckets
+    from foldckpt.tune.table import toml_text
 
     rows = []
     for m in (1, 2, 4, 8, 14, 16, 28, 32, 56, 64, 96, 112, 128, 160, 192, 224, 256, 320, 512):
@@ -224,8 +225,8 @@ def test_tuner_writes_fp8_shapes_that_parse() -> None:
 
 def test_shipped_fp8_entries_follow_their_measurements() -> None:
     """Every shipped [[fp8_shape]] whose fp8_grid is in docs/bench/tune_<gpu>.json has the backends
-    and threshold ``tune.decide`` derives from it (the dispatcher only follows the tuner)."""
-    from foldckpt.tune.bf16 import decide
+    and threshold ``search.decide`` derives from it (the dispatcher only follows the tuner)."""
+    from foldckpt.tune.search import decide
 
     for path in sorted(config_dir().glob("*.toml")):
         measurements = Path(__file__).resolve().parents[2] / "docs" / "bench" / f"tune_{path.stem}.json"

@@ -12,8 +12,11 @@ Public API (what the vLLM plugin calls):
 - ``warmup_fold_gemm(weight, max_m, scale=None, x_dtype=torch.bfloat16)`` /
   ``warmup_fold_query(weight, max_m, cos_sin_cache, head_dim, scale=None, x_dtype=...)``: compile
   and reserve everything before CUDA graph capture (``x_dtype``: the activations of an fp8 weight).
-- ``fold_route_max_tokens(n, k, device, weight_dtype=None)``: decode batches of at most this many
-  tokens take the fold; ``weight_dtype=torch.float8_e4m3fn`` gives the fp8 fold's own threshold.
+- ``fold_route(dims, device, weight_dtype=None, act_dtype=torch.bfloat16)``: a ``Route``; decode
+  batches of at most ``.max_tokens`` tokens take the fold, ``.source`` says where that came from
+  (environment, CPU default, tuning table, start-up measurement or its cache, or off);
+  ``weight_dtype=torch.float8_e4m3fn`` gives the fp8 fold's own threshold. May time the fold on a
+  GPU without a table: call it before CUDA graph capture.
 - ``fp8_fold_runs_as_fp8(device)``: whether an fp8 fold is served as e4m3 there (else the plugin
   dequantizes it at load).
 - ``gpu_key(device)``: the GPU kind that selects ``configs/<key>.toml``.
@@ -31,13 +34,14 @@ from foldckpt.runtime.kernels.dispatch import (
     warmup_fold_query,
 )
 from foldckpt.runtime.kernels.rope import QueryRope
-from foldckpt.runtime.kernels.tuning import fold_route_max_tokens
+from foldckpt.runtime.kernels.routing import Route, fold_route
 
 __all__ = [
     "QueryRope",
+    "Route",
     "fold_gemm",
     "fold_query",
-    "fold_route_max_tokens",
+    "fold_route",
     "fp8_fold_runs_as_fp8",
     "gpu_key",
     "rope_query",

@@ -48,7 +48,7 @@ from foldckpt.runtime.kernels.tuning import (
     skinny_config,
 )
 
-__all__ = ["fold_gemm", "fold_query", "rope_query", "warmup_fold_gemm", "warmup_fold_query"]
+__all__ = ["fold_gemm", "fold_query", "rope_query", "torch_gemm", "warmup_fold_gemm", "warmup_fold_query"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,9 +139,11 @@ def _triton_config(x: torch.Tensor, weight: torch.Tensor) -> KernelConfig | Skin
     return cfg
 
 
-def _torch_gemm(
+def torch_gemm(
     x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
+    """The torch path of ``fold_gemm`` (cuBLAS / the CPU GEMM), unchecked: what serves where no
+    Triton kernel does, and what the tuner times as the "torch" backend."""
     if scale is not None:
         # The fp8 fold: what the kernels compute, in fp32 (e4m3 -> fp32 is exact), rounded once.
         y = torch.mm(x.float(), weight.float().t()).mul_(scale.float())
@@ -242,7 +244,7 @@ def fold_gemm(
             y = _run_triton(x, weight, out, cfg, scale=scale)
             if y is not None:
                 return y
-    return _torch_gemm(x, weight, out, scale)
+    return torch_gemm(x, weight, out, scale)
 
 
 def rope_query(y: torch.Tensor, rope: QueryRope) -> None:
@@ -343,7 +345,7 @@ def warmup_fold_gemm(
             module.reserve_workspace(weight.device, *module.workspace_needs(m, weight.shape[0], cfg))
         fold_gemm(x, weight, scale=scale)
         # The torch path serves buckets the table gave to cuBLAS and any fallback: warm it too.
-        _torch_gemm(x, weight, None, scale)
+        torch_gemm(x, weight, None, scale)
 
 
 def warmup_fold_query(

@@ -1,68 +1,18 @@
-"""Per-GPU tuning tables for the fold GEMM, and the decode pre-route threshold derived from them.
+"""Per-GPU tuning tables for the fold GEMM, and the one rule that turns timings into a routing threshold.
 
 One TOML file per GPU kind in ``configs/`` beside this module (``configs/<gpu_key>.toml``, found
-through this module's own path so it works from a source tree and from an installed wheel). The
-files are written by ``python -m foldckpt.tune`` on the GPU they describe, from
-measurements, never by hand-picked numbers. Layout::
-
-    [meta]                      gpu = "nvidia_h200", device_name, torch, triton, date, ...
-    [[shape]]                   one fold GEMM shape: n = W_fold rows on a rank, k = its columns
-    n = 6912
-    k = 1536
-    fold_max_tokens = 256       measured crossover against the best unfolded path (``tune.decide``)
-    [[shape.bucket]]            token buckets, ascending m_max, covering 1..TRITON_MAX_M
-    m_max = 16
-    backend = "triton"          which fold GEMM won at this bucket: "triton" (the tiled kernel),
-                                "torch" or "skinny" (the skinny kernel with this (n, k)'s
-                                [[skinny]] role="fold" config per M; only where m_max <= the
-                                largest such config's m_max, so only the M <= 16 sub-buckets)
-    block_m = 16                the best tiled Triton config (kept when torch or skinny won, for
-                                tests/bench; a skinny sub-bucket carries its M<=16 bucket's)
-    block_n = 64
-    block_k = 128
-    split_k = 1
-    num_warps = 4
-    num_stages = 5
-    use_tma = false
-    rows_per_program = 0        rows of W per program (<= block_n; 0 = block_n)
-    pdl = true                  launch with programmatic dependent launch (sm_90+)
-    rope_epilogue = true        fold_query does the decode RoPE inside this kernel
-    mma_f16 = true              optional (default false), fp8 weights only: the MMA runs in fp16
-    triton_us = 7.417           the measurements behind the choice (informative)
-    torch_us = 8.131
-    [[q_b_proj]]                optional: the same kernel tuned for vLLM's q_b_proj GEMM of a
-    n = 2304                    tuned deployment (n = heads * (P + R) rows), buckets as above,
-    k = 1536                    backend = the q_b_proj kernel that won against cuBLAS there. The
-    heads = 12                  tuner and the benchmark use it for the unfolded baseline; the
-    [[q_b_proj.bucket]]         dispatcher never does (``kernel_config_for`` reads [[shape]] only);
-    ...                         its buckets' backend is "triton" or "torch".
-    [[skinny]]                  optional: the skinny (GEMV-style, no MMA) kernel's best config per
-    role = "q_b_proj"           token tile up to m_max <= 16 (it serves M in (previous m_max, m_max]),
-    n = 2304                    for a q_b_proj ("q_b_proj"), fold ("fold") or fp8 fold ("fold_fp8")
-    k = 1536                    weight: the unfolded baseline's stand-in for vLLM's own skinny
-    m_max = 1                   q_b_proj kernels, and for the fold what a backend = "skinny" bucket
-    rows = 4                    of [[shape]] (role "fold") or [[fp8_shape]] (role "fold_fp8") launches.
-    block_k = 256
-    num_warps = 4
-    pdl = true
-    us = 3.5
-    [[fp8_shape]]               optional: the fp8 fold (weight float8_e4m3fn [n, k] + an fp32 scale per
-    n = 6912                    row, ``foldckpt.fold.quantize_fp8_rows``) of one shape, laid out as
-    k = 1536                    [[shape]]: its own fold_max_tokens (the fp8 fold's crossover against the
-    fold_max_tokens = 256       same unfolded baseline) and [[fp8_shape.bucket]]s whose backend is the
-    [[fp8_shape.bucket]]        fp8 kernel that won there ("triton": the tiled kernel with this config,
-    ...                         "skinny": the [[skinny]] role="fold_fp8" configs, "torch": dequantize
-                                + cuBLAS). ``fold_route_max_tokens(..., weight_dtype=torch.float8_e4m3fn)``
-                                and ``kernel_config_for(..., weight_dtype=...)`` read these entries.
+through this module's own path so it works from a source tree and from an installed wheel), written
+by ``python -m foldckpt.tune`` on the GPU it describes, never by hand. Their schema is
+``configs/README.md``; :func:`parse_table` enforces it. Where the threshold of a decode batch comes
+from (table, start-up measurement, environment) is :mod:`foldckpt.runtime.kernels.routing`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -70,38 +20,36 @@ from typing import Any, Literal
 import torch
 
 from foldckpt.errors import FoldckptError
-from foldckpt.runtime.kernels.device import gpu_key
 
 __all__ = [
     "CPU_FOLD_MAX_TOKENS",
-    "ENV_FOLD_MAX_TOKENS",
     "FP8_UNTUNED_CONFIGS",
     "FP8_WEIGHT_DTYPE",
+    "ROUTE_TOLERANCE",
     "SKINNY_MAX_M",
     "TRITON_MAX_M",
-    "UNKNOWN_GPU_FOLD_MAX_TOKENS",
     "Bucket",
     "GpuTable",
     "KernelConfig",
     "ShapeEntry",
     "SkinnyConfig",
     "config_dir",
-    "fold_route_max_tokens",
+    "decide_fold_max_tokens",
     "is_fp8_weight",
     "kernel_config_for",
     "load_table",
     "parse_table",
     "q_b_proj_bucket",
     "skinny_config",
+    "table_fold_max_tokens",
 ]
 
-ENV_FOLD_MAX_TOKENS = "FOLDCKPT_FOLD_MAX_TOKENS"
 # On CPU the fold is one GEMM where the unfolded path runs a GEMM and a batched GEMM, and CPU
 # GEMMs are compute-bound early; 256 covers every decode batch a CPU server sees.
 CPU_FOLD_MAX_TOKENS = 256
-# An untuned GPU: the fold reads 2.5x the bytes of q_b_proj + W_UK and wins on launch count, so
-# keep it to batches where launch overhead dominates (well under the H200's measured crossover).
-UNKNOWN_GPU_FOLD_MAX_TOKENS = 64
+# The routing target: the routed decode step at least this fraction of the faster of the folded and
+# the unfolded path's speed at every M (``decide_fold_max_tokens``).
+ROUTE_TOLERANCE = 0.97
 # Largest token count the Triton kernel is tuned for; above it the fold uses torch.
 TRITON_MAX_M = 256
 # Largest token tile of the skinny kernel (no MMA: its work grows with M, so it only pays at a few tokens).
@@ -391,7 +339,7 @@ def kernel_config_for(
 
     Only an exactly measured (n, k) runs Triton: a config tuned for another shape may lose to
     cuBLAS, and the table exists to never lose. The choice of backend is the tuner's alone
-    (``tune.decide``); this only reads it. [[q_b_proj]] entries are never returned. The one
+    (``foldckpt.tune``); this only reads it. [[q_b_proj]] entries are never returned. The one
     exception is the fp8 fold at an (n, k) or on a GPU the table has not measured: there the
     bucket of ``FP8_UNTUNED_CONFIGS`` holding ``m`` (M <= TRITON_MAX_M), see there why.
     """
@@ -421,23 +369,9 @@ def skinny_config(table: GpuTable | None, role: str, n: int, k: int, m: int) -> 
     return next((c for c in configs if m <= c.block_m), None)
 
 
-def _env_override() -> int | None:
-    raw = os.environ.get(ENV_FOLD_MAX_TOKENS)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise FoldckptError(
-            f"{ENV_FOLD_MAX_TOKENS}={raw!r} is not an integer; unset it or give a token count"
-        ) from None
-    if value < 0:
-        raise FoldckptError(f"{ENV_FOLD_MAX_TOKENS}={value} is negative; use 0 to turn the fold off at decode")
-    return value
-
-
-def _crossover(table: GpuTable, n: int, k: int, weight_dtype: torch.dtype | None = None) -> int | None:
-    """Measured crossover for (n, k), or the smaller of the two measured neighbours in log(n).
+def table_fold_max_tokens(table: GpuTable, n: int, k: int, weight_dtype: torch.dtype | None = None) -> int | None:
+    """The table's threshold for (n, k), or the smaller of the two measured neighbours in log(n);
+    None where the table has no entry of this k.
 
     The crossover is where the fold's extra bytes stop paying for the launch it saves; both
     scale with n, so neighbours are close, and taking the smaller one never routes a batch to
@@ -462,27 +396,24 @@ def _crossover(table: GpuTable, n: int, k: int, weight_dtype: torch.dtype | None
     return nearest[1]
 
 
-def fold_route_max_tokens(n: int, k: int, device: torch.device, weight_dtype: torch.dtype | None = None) -> int:
-    """Largest decode batch (tokens) that should take the fold GEMM instead of q_b_proj + W_UK.
+def decide_fold_max_tokens(points: Iterable[tuple[int, float, float]], tolerance: float = ROUTE_TOLERANCE) -> int:
+    """The routing threshold from timings: the one rule the tuner, the start-up measurement and the
+    decode benchmark apply. ``points`` are (M, fold µs, unfolded µs), ascending M, the fold on the
+    backend ``fold_gemm`` runs at that M and the unfolded path on the fastest q_b_proj kernel there.
 
-    ``n`` and ``k`` are the fold GEMM's weight shape on this rank (``W_fold.shape``: heads per
-    rank times (kv_lora_rank + qk_rope_head_dim), and q_lora_rank); ``weight_dtype`` is the
-    fold weight's dtype (``W_fold.dtype``): ``torch.float8_e4m3fn`` gives the fp8 fold's own
-    threshold ([[fp8_shape]]), anything else (or None) the bf16/fp16 fold's ([[shape]]).
-    Order of precedence: the environment variable ``FOLDCKPT_FOLD_MAX_TOKENS`` (an int; 0
-    disables the fold at decode; it applies to both dtypes), then on CPU ``CPU_FOLD_MAX_TOKENS``,
-    then the GPU's tuning table (the measured crossover of that shape and weight dtype, or of
-    the nearest measured shapes with the same k; an fp8 fold on a table without fp8 entries of
-    that k takes the bf16 fold's), then ``UNKNOWN_GPU_FOLD_MAX_TOKENS``. Host-side only: safe
-    to call at any time.
+    The threshold is the largest M such that up to it the fold is never slower than
+    ``unfolded / tolerance`` and, summed over the points up to it, faster than the unfolded path;
+    0 where that holds nowhere. ``tolerance`` 1.0 is "never lost"; the default ROUTE_TOLERANCE is
+    the project's routing target (routed >= 0.97x the faster path at every M), so that one point at
+    parity within measurement noise does not turn off a fold that wins at the M around it. A fold
+    time of inf (a wrong result) or NaN ends the range like a loss.
     """
-    override = _env_override()
-    if override is not None:
-        return override
-    if device.type != "cuda":
-        return CPU_FOLD_MAX_TOKENS
-    table = load_table(gpu_key(device))
-    if table is None:
-        return UNKNOWN_GPU_FOLD_MAX_TOKENS
-    crossover = _crossover(table, n, k, weight_dtype)
-    return UNKNOWN_GPU_FOLD_MAX_TOKENS if crossover is None else crossover
+    threshold, fold_sum, unfolded_sum = 0, 0.0, 0.0
+    for m, fold, unfolded in points:
+        if not fold * tolerance <= unfolded:
+            break
+        fold_sum += fold
+        unfolded_sum += unfolded
+        if fold_sum < unfolded_sum:
+            threshold = m
+    return threshold
