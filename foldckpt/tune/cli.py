@@ -272,7 +272,7 @@ def write(
     parse_table(tomllib.loads(text), "the written table")
     (args.out / f"{key}.toml").write_text(text, encoding="utf-8")
     doc = json.loads(args.base_json.read_text(encoding="utf-8")) if args.base_json is not None else {"meta": {}}
-    doc["meta"].update(meta)
+    doc.setdefault("meta", {}).update(meta)
     tuned_ns = {r["n"] for r in log} | {r["n"] for r in grid_rows}
     for name, records in (("search", log), ("grid", grid_rows)):
         kept = [r for r in doc.get(f"{space.prefix}{name}", []) if r["n"] not in tuned_ns]

@@ -13,16 +13,16 @@ import torch.nn.functional as F
 
 from foldckpt.errors import FoldckptError
 from foldckpt.runtime.kernels import fold_gemm, fold_route, gpu_key, warmup_fold_gemm
+from foldckpt.runtime.kernels.device import gpu_key_from_name
 from foldckpt.runtime.kernels.reference import MlaDims
 from foldckpt.runtime.kernels.routing import ENV_FOLD_MAX_TOKENS
-from foldckpt.runtime.kernels.device import gpu_key_from_name
 from foldckpt.runtime.kernels.tuning import (
     CPU_FOLD_MAX_TOKENS,
     TRITON_MAX_M,
-    table_fold_max_tokens,
     config_dir,
     load_table,
     parse_table,
+    table_fold_max_tokens,
 )
 
 CPU = torch.device("cpu")

@@ -16,9 +16,9 @@ import torch
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import quantize_fp8_rows
 from foldckpt.runtime.kernels import fold_gemm, fold_query, fold_route, warmup_fold_gemm
-from foldckpt.runtime.kernels.routing import ENV_FOLD_MAX_TOKENS
 from foldckpt.runtime.kernels.reference import MlaDims, decode_rope
 from foldckpt.runtime.kernels.rope import rope_gptj
+from foldckpt.runtime.kernels.routing import ENV_FOLD_MAX_TOKENS
 from foldckpt.runtime.kernels.tuning import (
     CPU_FOLD_MAX_TOKENS,
     FP8_UNTUNED_CONFIGS,
@@ -26,11 +26,11 @@ from foldckpt.runtime.kernels.tuning import (
     TRITON_MAX_M,
     KernelConfig,
     SkinnyConfig,
-    table_fold_max_tokens,
     config_dir,
     kernel_config_for,
     parse_table,
     skinny_config,
+    table_fold_max_tokens,
 )
 
 CPU = torch.device("cpu")
