@@ -4,7 +4,7 @@ vLLM calls :func:`register` in every process it starts (API server, engine core,
 before any model is built, so it must be idempotent and cheap, and it must not decide anything
 about the model: which directory is served is only known when the model is constructed. It only
 swaps in :class:`~foldckpt.runtime.mla_fold.FoldedMLAWrapper` for vLLM's generic MLA wrapper, and
-points the model registry's Kimi-K3 text and MTP models at :mod:`foldckpt.runtime.kimi_k3`, which
+points the model registry's Kimi-K3 text and MTP models at :mod:`foldckpt.runtime.kimi_k3.registry`, which
 installs Kimi-K3's folded MLA when (and only when) such a model is built, then hands back vLLM's
 own classes. Every folded class stays exactly the stock layer unless the served directory has a
 ``foldckpt.json``.
@@ -35,7 +35,7 @@ _DISABLE_WORDS = {
 # fold classes.
 SUPPORTED_VLLM = ((0, 32), (0, 33), (0, 34))
 # Kimi-K3 registry architectures -> the class vLLM's ``vllm.models.kimi_k3`` exports for each;
-# :mod:`foldckpt.runtime.kimi_k3` re-exports them under the same names.
+# :mod:`foldckpt.runtime.kimi_k3.registry` re-exports them under the same names.
 KIMI_K3_MODULE = "vllm.models.kimi_k3"
 KIMI_K3_ARCHITECTURES = {"KimiLinearForCausalLM": "KimiLinearForCausalLM", "KimiK3MTPModel": "KimiK3MTP"}
 
@@ -110,7 +110,7 @@ def install(version: str) -> None:
 
 
 def _register_kimi_k3() -> None:
-    """Route vLLM's Kimi-K3 registry entries through :mod:`foldckpt.runtime.kimi_k3` (lazily: no
+    """Route vLLM's Kimi-K3 registry entries through :mod:`foldckpt.runtime.kimi_k3.registry` (lazily: no
     Kimi-K3 code is imported until vLLM builds such a model)."""
     from vllm import ModelRegistry
 
@@ -123,4 +123,4 @@ def _register_kimi_k3() -> None:
                 arch, entry, KIMI_K3_MODULE, class_name,
             )  # fmt: skip
             continue
-        ModelRegistry.register_model(arch, f"foldckpt.runtime.kimi_k3:{class_name}")
+        ModelRegistry.register_model(arch, f"foldckpt.runtime.kimi_k3.registry:{class_name}")

@@ -370,7 +370,7 @@ def test_kimi_k3_package_exports_per_platform(k3_tree: SourceTree) -> None:
     branches = _platform_branches(tree)
     assert branches == K3_PLATFORM_BRANCHES[tree.minor], (
         f"{tree.label}: vllm/models/kimi_k3/__init__.py now picks {branches} "
-        "[foldckpt.runtime.kimi_k3 installs the NVIDIA fold unless ROCm]"
+        "[foldckpt.runtime.kimi_k3.registry installs the NVIDIA fold unless ROCm]"
     )
 
 

@@ -170,7 +170,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
     )
     from vllm.model_executor.custom_op import op_registry_oot
 
-    from foldckpt.runtime.kimi_k3 import amd as kimi_k3_rocm
+    from foldckpt.runtime.kimi_k3 import amd as kimi_k3_rocm  # the package itself imports no vLLM
 
     tmp = tmp_path_factory.mktemp("k3rocm")
     model_dir = make_checkpoint(tmp / "model", "kimi_k3", all_mla=True, bf16_experts=True)

@@ -51,7 +51,7 @@ def test_register_honours_the_switch_in_a_real_vllm(value: str, hooked: bool) ->
     )
     lines = result.stdout.splitlines()
     assert f"mla {hooked}" in lines
-    assert f"k3 {'foldckpt.runtime.kimi_k3' if hooked else 'vllm.models.kimi_k3'}" in lines
+    assert f"k3 {'foldckpt.runtime.kimi_k3.registry' if hooked else 'vllm.models.kimi_k3'}" in lines
 
 
 _UNSUPPORTED = """
