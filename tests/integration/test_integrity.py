@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from stat import S_ISLNK
 import random
 import resource
 import struct
@@ -63,10 +64,18 @@ def test_every_rename_of_a_written_file_follows_its_fsync_and_precedes_a_folder_
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
         real_fsync(fd)
 
+    def in_folder(name: object, folder: object) -> str:
+        """The path of ``name``, relative to the folder descriptor ``folder`` when one is given
+        (convert renames through its folder's descriptor, never by a path with links on the way)."""
+        base = os.readlink(f"/proc/self/fd/{folder}") if isinstance(folder, int) else ""
+        return os.path.realpath(os.path.join(base, name))  # type: ignore[arg-type]
+
     def replace(src: object, dst: object, **kwargs: object) -> None:
-        src_path = os.path.realpath(src)  # type: ignore[arg-type]
-        linked = os.path.islink(src) or os.stat(src).st_nlink > 1  # type: ignore[arg-type]  # a placed link: no data of ours
-        events.append(("replace-link" if linked else "replace", f"{src_path}\0{os.path.realpath(dst)}"))  # type: ignore[arg-type]
+        src_path = in_folder(src, kwargs.get("src_dir_fd"))
+        dst_path = in_folder(dst, kwargs.get("dst_dir_fd"))
+        stat = os.stat(src, dir_fd=kwargs.get("src_dir_fd"), follow_symlinks=False)  # type: ignore[arg-type]
+        linked = S_ISLNK(stat.st_mode) or stat.st_nlink > 1  # a placed link: no data of ours
+        events.append(("replace-link" if linked else "replace", f"{src_path}\0{dst_path}"))
         real_replace(src, dst, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "fsync", fsync)
