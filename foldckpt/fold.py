@@ -42,6 +42,9 @@ ROUNDING_TOLERANCE: dict[torch.dtype, float] = {
     # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 relative; scaled rows use the top binades.
     torch.float8_e4m3fn: 2.0**-4,
 }
+# The share of that tolerance which values below the fold dtype's normal range may cost a head
+# before convert measures the head against fp64 (:func:`underflow_suspects`).
+_UNDERFLOW_SHARE = 1 / 8
 
 
 def dequantize_fp8_blocks(
@@ -327,18 +330,22 @@ def sample_heads(num_heads: int, count: int = 4) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class FoldError:
-    """How far a stored fold is from the fp64 fold, on a sample of heads.
+    """How far a stored fold is from the fp64 fold, head by head, on the heads measured.
 
-    ``rows`` holds the relative Frobenius error of each head's two row groups apart: ``ql_nope``
-    (W_UKᵀ·W_qb_nope) and ``q_pe`` (W_qb_pe), each against its own fp64 norm; ``rel_fro_error``
-    is the larger. Why apart: the two can differ in magnitude by orders, and one norm over the
-    head let an fp16 fold whose small ql_nope rows had underflowed (27% off, 38% zeros) pass at
-    3.6e-4 behind exact q_pe rows."""
+    Each head's two row groups are measured apart: ``ql_nope`` (W_UKᵀ·W_qb_nope) and ``q_pe``
+    (W_qb_pe), each against its own fp64 norm, and the fold's error is the worst of them
+    (``rel_fro_error``, in head ``worst_head``); ``rows`` holds each group's worst over the heads.
+    Why per group: the two can differ in magnitude by orders, and one norm over the head let an
+    fp16 fold whose small ql_nope rows had underflowed (27% off, 38% zeros) pass at 3.6e-4 behind
+    exact q_pe rows. Why per head: one norm over several heads let a head whose rows underflowed
+    (weights orders smaller than its neighbours') pass behind the others, in convert's sample and
+    in ``verify --deep``'s every head alike."""
 
     heads: tuple[int, ...]
     rel_fro_error: float
     max_abs_error: float
     rows: dict[str, float] = field(default_factory=dict)
+    worst_head: int | None = None
 
     @property
     def worst_rows(self) -> str:
@@ -350,6 +357,7 @@ class FoldError:
             "heads": list(self.heads),
             "rel_fro_error": self.rel_fro_error,
             "rel_fro_error_rows": dict(self.rows),
+            "worst_head": self.worst_head,
             "max_abs_error": self.max_abs_error,
         })  # fmt: skip
 
@@ -358,6 +366,57 @@ def within_one_rounding(rel_error: float, dtype: torch.dtype) -> bool:
     """Whether a fold's relative error vs fp64 is what one rounding to ``dtype`` can cost
     (:data:`ROUNDING_TOLERANCE`; NaN is not): the acceptance rule of convert and ``verify --deep``."""
     return rel_error <= ROUNDING_TOLERANCE[dtype]
+
+
+def accuracy_problem(error: FoldError, dtype: torch.dtype) -> str | None:
+    """What is wrong with a fold whose error (:class:`FoldError`) is beyond one rounding to
+    ``dtype``, or None: the one wording of the one rule convert refuses a fold by and ``verify
+    --deep`` fails it by."""
+    if within_one_rounding(error.rel_fro_error, dtype):
+        return None
+    return (
+        f"relative error vs fp64 {error.rel_fro_error:.2e} in head {error.worst_head}'s {error.worst_rows} rows is more "
+        f"than one rounding to {str(dtype).removeprefix('torch.')} costs ({ROUNDING_TOLERANCE[dtype]:.1e})"
+    )
+
+
+def underflow_floor(dtype: torch.dtype, nope_dim: int) -> float:
+    """The RMS value below which a row group of one head of a fold stored in ``dtype`` (bf16, fp16
+    or fp32) can be more than one rounding off through underflow, as far as its stored values tell.
+
+    A value in the normal range of ``dtype`` is off by at most half an ulp, relative. One below it
+    is off by up to half the subnormal spacing, ``tiny·eps/2``, however small it is, plus what the
+    fp32 sum of ``nope_dim`` products lost in fp32's own subnormal range (half its spacing,
+    2⁻¹⁵⁰, per addition). Over a group of n values with RMS r, that absolute error adds at most
+    ``(tiny·eps/2 + P·2⁻¹⁵⁰) / r`` to its relative error, whichever of the values are subnormal:
+    a group whose RMS is above the floor keeps that within ``_UNDERFLOW_SHARE`` of the tolerance."""
+    info = torch.finfo(dtype)
+    absolute = info.tiny * info.eps / 2 + nope_dim * 2.0**-150
+    return absolute / (_UNDERFLOW_SHARE * ROUNDING_TOLERANCE[dtype])
+
+
+def underflow_suspects(values: torch.Tensor, g: Geometry) -> list[int]:
+    """The heads of a chunk of a stored fold (``values [n, L+R, Lq]``) with a row group whose RMS is
+    below :func:`underflow_floor`: those whose error the stored values cannot vouch for, which
+    convert measures against fp64 on top of its sample. Every head is screened (a norm per row
+    group, a few percent of the fold's time): a sample of heads misses one head whose weights are
+    orders smaller than its neighbours'. An fp8 fold is not screened: each row is scaled to
+    e4m3's range by its own largest value, and a scale below fp32's normal range is refused
+    (:func:`foldckpt.layer.check_fold_scales`)."""
+    if values.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return []
+    floor = underflow_floor(values.dtype, g.qk_nope_head_dim)
+    suspects: set[int] = set()
+    for rows in (slice(None, g.kv_lora_rank), slice(g.kv_lora_rank, None)):
+        group = values[:, rows]
+        if not group[0].numel():
+            continue
+        least = floor * math.sqrt(group[0].numel())
+        # squares below fp32's range read as 0 (bf16 and fp32 values under 1e-19): each head the
+        # fp32 norm flags is confirmed in fp64, so that only heads truly near underflow cost a check
+        below = (torch.linalg.vector_norm(group, dim=(1, 2), dtype=torch.float32) < least).nonzero().flatten().tolist()
+        suspects.update(h for h in below if torch.linalg.vector_norm(group[h], dtype=torch.float64) < least)
+    return sorted(suspects)
 
 
 _workspaces = threading.local()
@@ -379,10 +438,10 @@ def _fp64_workspace(p: int, lora: int, rows: int, cols: int) -> tuple[torch.Tens
 
 
 class FoldErrorMeter:
-    """How far a stored fold is from the fp64 fold on ``heads``, per row group, measured one head at
-    a time as the heads come (:meth:`add`), so that a fold made and written chunk by chunk is
-    measured without being held whole, and checking every head, as ``verify --deep`` does, needs
-    one head's fp64 working set.
+    """How far a stored fold is from the fp64 fold, measured one head at a time as the heads come
+    (:meth:`add`), so that a fold made and written chunk by chunk is measured without being held
+    whole, and checking every head, as ``verify --deep`` does, needs one head's fp64 working set.
+    Each head is judged on its own (:class:`FoldError`).
 
     The head's fp64 fold and its difference to the stored values go into two buffers reused from
     head to head (this thread's), and the sums and the largest difference are reductions over
@@ -390,35 +449,37 @@ class FoldErrorMeter:
     made this check about 0.2 core-s per layer of a conversion (4 heads) and most of ``verify
     --deep``'s compute."""
 
-    def __init__(self, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, heads: tuple[int, ...]) -> None:
-        self.heads = heads
+    def __init__(self, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry) -> None:
         self._q_heads, self._kv_heads = _per_head(q_b, kv_b, g)
         self._rows = {"ql_nope": slice(None, g.kv_lora_rank), "q_pe": slice(g.kv_lora_rank, None)}
         self._workspace = _fp64_workspace(g.qk_nope_head_dim, g.kv_lora_rank, g.fold_head_dim, g.q_lora_rank)
-        # squared norms of the difference and of the reference, per row group
-        self._sums = {part: [0.0, 0.0] for part in self._rows}
+        self._errors: dict[int, dict[str, float]] = {}  # head -> row group -> relative error
         self._max_abs = 0.0
 
     def add(self, head: int, stored: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-        """Measure one of the heads: its stored values ``[L+R, Lq]`` (and fp8 row scales ``[L+R]``)."""
+        """Measure one head: its stored values ``[L+R, Lq]`` (and fp8 row scales ``[L+R]``)."""
         q_nope, w_uk, reference, diff = self._workspace
         _reference_head_into(reference, self._q_heads, self._kv_heads, head, q_nope, w_uk)
         diff.copy_(stored)
         if scale is not None:
             diff.mul_(scale.reshape(-1, 1))
         diff.sub_(reference)
+        errors = self._errors.setdefault(head, {})
         for part, rows in self._rows.items():
             d, r = diff[rows].reshape(-1), reference[rows].reshape(-1)
-            self._sums[part][0] += float(torch.dot(d, d))
-            self._sums[part][1] += float(torch.dot(r, r))
+            diff_sq, ref_sq = float(torch.dot(d, d)), float(torch.dot(r, r))
+            errors[part] = math.sqrt(diff_sq / ref_sq if ref_sq else diff_sq)  # all-zero rows: the absolute error
         if diff.numel():
             low, high = torch.aminmax(diff)
             self._max_abs = max(self._max_abs, float(torch.maximum(-low, high)))
 
     def result(self) -> FoldError:
-        """The error over the heads added so far (all of ``heads``, as every caller adds them)."""
-        rows = {part: math.sqrt(diff_sq / ref_sq if ref_sq else diff_sq) for part, (diff_sq, ref_sq) in self._sums.items()}
-        return FoldError(self.heads, max(rows.values(), key=nan_last), self._max_abs, rows)
+        """The error over the heads added so far: the worst head's."""
+        heads = tuple(sorted(self._errors))
+        rows = {part: max((self._errors[h][part] for h in heads), key=nan_last, default=0.0) for part in self._rows}
+        worst = max(heads, key=lambda h: nan_last(max(self._errors[h].values(), key=nan_last)), default=None)
+        error = 0.0 if worst is None else max(self._errors[worst].values(), key=nan_last)
+        return FoldError(heads, error, self._max_abs, rows, worst)
 
 
 def fold_error(
@@ -429,7 +490,7 @@ def fold_error(
     ``heads`` (:class:`FoldErrorMeter`)."""
     stored = fold.reshape(g.num_heads, g.fold_head_dim, g.q_lora_rank)
     scales = None if scale is None else scale.reshape(g.num_heads, g.fold_head_dim)
-    meter = FoldErrorMeter(q_b, kv_b, g, heads)
+    meter = FoldErrorMeter(q_b, kv_b, g)
     for head in heads:
         meter.add(head, stored[head], None if scales is None else scales[head])
     return meter.result()

@@ -20,7 +20,8 @@ relative to OUT_DIR, and the tensor where there is one):
 4. ``deep``: recompute the folds (all, or ``sample`` layers) from the source tensors, whose hashes
    must match the manifest, and judge each stored element against the fp64 fold (one rounding:
    within an ulp of the fold dtype plus the fp32 accumulation bound; not against the library's own
-   fold function), count the layers this machine reproduces bitwise, and probe ``x·W_foldᵀ``
+   fold function) and each head's relative error against the rounding tolerance (the rule convert
+   refuses a fold by), count the layers this machine reproduces bitwise, and probe ``x·W_foldᵀ``
    against the unfolded two-step query on random x. At most one layer's tensors are in memory.
 
 Cost: ``content`` hashes each byte once: the source files with sha256, the sidecars' head blocks
@@ -357,7 +358,7 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
 
     from foldckpt.defaults import fold_torch_dtype
     from foldckpt.fold import (
-        ROUNDING_TOLERANCE, fold_error, fold_layer, fold_layer_fp8, probe_error, within_one_rounding,
+        ROUNDING_TOLERANCE, accuracy_problem, fold_error, fold_layer, fold_layer_fp8, probe_error,
     )  # fmt: skip
     from foldckpt.convert.layer import load_layer_inputs, nonfinite_count, nonfinite_fold_problem
     from foldckpt.convert.plan import plan_conversion
@@ -435,7 +436,8 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
                         "NaN or Inf, folded with --allow-nonfinite: only a bitwise comparison applies)", record.name,
                     ))  # fmt: skip
                 continue
-            error = fold_error(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry, heads, scale).rel_fro_error
+            measured = fold_error(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry, heads, scale)
+            error = measured.rel_fro_error
             probe = probe_error(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry, scale=scale)
             worst_error, worst_probe = max(worst_error, error), max(worst_probe, probe)
             if scale is not None:
@@ -444,10 +446,12 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
             else:
                 off, ulps = one_rounding_violations(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry)
                 worst_ulps = max(worst_ulps, ulps)
-            if not (within_one_rounding(error, dtype) and probe <= 2 * tolerance) or off:  # NaN fails too
+            inaccurate = accuracy_problem(measured, dtype)  # the rule convert refuses a fold by
+            if inaccurate is not None or not probe <= 2 * tolerance or off:  # NaN fails too
+                accuracy = inaccurate or f"relative error vs fp64 {error:.2e} in head {measured.worst_head}"
                 problems.append(Problem(
-                    record.file, f"'{record.name}' is not the fold of its sources rounded once (relative error vs fp64 "
-                    f"{error:.2e}, probe x·W_foldᵀ vs two-step query {probe:.2e}, tolerance {tolerance:.1e}; "
+                    record.file, f"'{record.name}' is not the fold of its sources rounded once ({accuracy}; probe "
+                    f"x·W_foldᵀ vs two-step query {probe:.2e}, tolerance {tolerance:.1e}; "
                     f"{off} element(s) beyond one rounding of the fp64 fold)", record.name,
                 ))  # fmt: skip
     bar.close()

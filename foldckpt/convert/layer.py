@@ -3,7 +3,7 @@
 Gets the layer's inputs with the digest of exactly their bytes (for provenance) from a ``fetch``
 (convert's: handed over by the pass that hashes the source file, :mod:`foldckpt.convert.source_reads`;
 verify's: read here), dequantizes fp8 blocks, refuses NaN/Inf, folds (on the CPU or a GPU),
-measures the error against fp64 on sampled heads, and hashes the result once, head block by head
+measures the error against fp64 head by head (a sample, and every head near underflow), and hashes the result once, head block by head
 block (the leaves of :mod:`foldckpt.io.hashing`'s per-head tree).
 """
 
@@ -24,17 +24,17 @@ from foldckpt.defaults import SCALED_FOLD_DTYPES, fold_torch_dtype
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import (
     FP8_MAX,
-    ROUNDING_TOLERANCE,
     FoldError,
     FoldErrorMeter,
     abs_max,
+    accuracy_problem,
     all_finite,
     dequantize_fp8_blocks,
     dequantize_fp8_rows,
     fold_layer_chunks,
     fold_layer_fp8_chunks,
     sample_heads,
-    within_one_rounding,
+    underflow_suspects,
 )
 from foldckpt.format.manifest import FoldTensor, ScaleTensor, SourceTensor
 from foldckpt.io.direct_io import BufferPool
@@ -169,24 +169,22 @@ def small_scales(scale: torch.Tensor) -> int:
 
 
 def check_fold_accuracy(error: FoldError, inputs: LayerInputs, layer: LayerPlan, fold_dtype: str) -> None:
-    """Refuse a fold farther from fp64 than one rounding to its dtype allows, the rule ``verify
-    --deep`` applies (:func:`~foldckpt.fold.within_one_rounding`), so that convert never writes a
-    fold its own verify rejects. With finite inputs and no overflow, what breaks it is underflow:
-    fp16's normal range ends at 6.1e-5, and the ql_nope rows of a model with small weights can lie
-    below it. Inputs with NaN or Inf (``--allow-nonfinite``) have no such bound."""
+    """Refuse a fold farther from fp64 than one rounding to its dtype allows, in any head measured,
+    by the rule ``verify --deep`` applies (:func:`~foldckpt.fold.accuracy_problem`), so that convert
+    never writes a fold its own verify rejects. With finite inputs and no overflow, what breaks it
+    is underflow: fp16's normal range ends at 6.1e-5, and the ql_nope rows of a model with small
+    weights (or of one head with small weights) can lie below it. Inputs with NaN or Inf
+    (``--allow-nonfinite``) have no such bound."""
     dtype = fold_torch_dtype(fold_dtype)
-    if within_one_rounding(error.rel_fro_error, dtype):
-        return
-    if not inputs.finite():
-        return  # NaN/Inf inputs, let through by --allow-nonfinite
+    problem = accuracy_problem(error, dtype)
+    if problem is None or not inputs.finite():
+        return  # within one rounding, or NaN/Inf inputs let through by --allow-nonfinite
     if fold_dtype in SCALED_FOLD_DTYPES:
         why = "values far below the largest of their row keep too few of e4m3's bits"
     else:
         why = f"values below {fold_dtype}'s smallest normal number ({torch.finfo(dtype).tiny:.2e}) keep too few bits"
     raise FoldckptError(
-        f"{plan_layer_label(layer)}: relative error vs fp64 {error.rel_fro_error:.2e} in its {error.worst_rows} rows "
-        f"is more than one rounding to {fold_dtype} costs ({ROUNDING_TOLERANCE[dtype]:.1e}): {why}; "
-        f"{_wider_fold_dtypes(fold_dtype, precision=True)}"
+        f"{plan_layer_label(layer)}: {problem}: {why}; {_wider_fold_dtypes(fold_dtype, precision=True)}"
     )
 
 
@@ -276,7 +274,10 @@ def fold_from_source(
     if release is not None and torch.device(device).type != "cpu":
         release()
     scan = not inputs.fold_cannot_overflow(g, plan.fold_dtype)
-    meter = FoldErrorMeter(inputs.q_b_proj, inputs.kv_b_proj, g, sample_heads(g.num_heads))
+    # measured against fp64: a sample of heads, and every head whose values the fold dtype's
+    # normal range may not hold (underflow_suspects screens them all)
+    sample = sample_heads(g.num_heads)
+    meter = FoldErrorMeter(inputs.q_b_proj, inputs.kv_b_proj, g)
     dtype = TORCH_DTYPES[layer.output.dtype]
     taken: dict[int, memoryview] = {}  # buffers out and not yet emitted, by the chunk's first head
 
@@ -303,10 +304,9 @@ def fold_from_source(
                 small += small_scales(chunk_scale)
             if scan:
                 nonfinite += nonfinite_count(values, chunk_scale)
-            for head in meter.heads:
-                if heads.start <= head < heads.stop:
-                    row = head - heads.start
-                    meter.add(head, values[row], None if chunk_scale is None else chunk_scale[row])
+            measured = {head - heads.start for head in sample if heads.start <= head < heads.stop}
+            for row in sorted(measured.union(underflow_suspects(values, g))):
+                meter.add(heads.start + row, values[row], None if chunk_scale is None else chunk_scale[row])
             leaves += head_digests(taken[heads.start], heads.stop - heads.start, pool)
             emit(taken.pop(heads.start))  # emit owns it now, also if it raises
         scale_record = None

@@ -11,6 +11,7 @@ from foldckpt import fold as fold_module
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import (
     ROUNDING_TOLERANCE, dequantize_fp8_blocks, fold_error, fold_layer, onednn_bf16_fold, probe_error, sample_heads,
+    underflow_suspects,
 )  # fmt: skip
 from foldckpt.model.geometry import Geometry, MLALayer
 
@@ -115,15 +116,16 @@ def test_fold_error_reports_a_corrupted_head() -> None:
 
 def _expected_error(stored: torch.Tensor, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, heads: tuple[int, ...],
                     scale: torch.Tensor | None) -> tuple[dict[str, float], float]:  # fmt: skip
-    """Per row group relative Frobenius error and max |difference|, straight from the definitions."""
+    """Per row group the worst head's relative Frobenius error, and max |difference|, straight from
+    the definitions."""
     values = stored.double().reshape(g.num_heads, g.fold_head_dim, -1)
     if scale is not None:
         values = values * scale.double().reshape(g.num_heads, g.fold_head_dim, 1)
     diffs = torch.stack([values[h] - fp64_fold_of_head(q_b, kv_b, g, h) for h in heads])
     refs = torch.stack([fp64_fold_of_head(q_b, kv_b, g, h) for h in heads])
     lora = g.kv_lora_rank
-    rows = {"ql_nope": (diffs[:, :lora].norm() / refs[:, :lora].norm()).item(),
-            "q_pe": (diffs[:, lora:].norm() / refs[:, lora:].norm()).item()}  # fmt: skip
+    rows = {"ql_nope": (diffs[:, :lora].norm(dim=(1, 2)) / refs[:, :lora].norm(dim=(1, 2))).max().item(),
+            "q_pe": (diffs[:, lora:].norm(dim=(1, 2)) / refs[:, lora:].norm(dim=(1, 2))).max().item()}  # fmt: skip
     return rows, diffs.abs().max().item()
 
 
@@ -160,6 +162,49 @@ def test_fold_error_measures_the_ql_nope_and_q_pe_rows_apart() -> None:
     # independently: the relative error of the whole heads, which the old measure reported
     whole = torch.stack([fold[h].double() - fp64_fold_of_head(q_b, kv_b, TINY, h) for h in (0, 7)]).norm()
     assert whole / torch.stack([fp64_fold_of_head(q_b, kv_b, TINY, h) for h in (0, 7)]).norm() < 0.01
+
+
+def with_one_head_scaled(q_b: torch.Tensor, g: Geometry, head: int, factor: float) -> torch.Tensor:
+    """``q_b`` with head ``head``'s W_qb_nope rows times ``factor`` (in fp64, rounded once)."""
+    heads = q_b.double().reshape(g.num_heads, -1, g.q_lora_rank).clone()
+    heads[head, : g.qk_nope_head_dim] *= factor
+    return heads.reshape(g.q_b_proj_shape).to(q_b.dtype)
+
+
+def test_fold_error_judges_each_head_on_its_own() -> None:
+    """One head's ql_nope rows 1% off, its weights 1e-4 times its neighbours': in one norm over the
+    heads (the old measure) its error weighs 1e-8 of theirs; on its own it is the 1%."""
+    q_b, kv_b = random_weights(TINY, dtype=torch.float32)
+    q_b = with_one_head_scaled(q_b, TINY, 3, 1e-4)
+    fold = fold_layer(q_b, kv_b, TINY, torch.float32).reshape(TINY.num_heads, TINY.fold_head_dim, -1)
+    fold[3, : TINY.kv_lora_rank] *= 1.01
+    error = fold_error(fold.reshape(TINY.fold_shape), q_b, kv_b, TINY, tuple(range(TINY.num_heads)))
+    assert error.rel_fro_error == pytest.approx(0.01, rel=1e-3) and error.worst_head == 3 and error.worst_rows == "ql_nope"
+    assert error.heads == tuple(range(TINY.num_heads))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_every_head_beyond_one_rounding_is_an_underflow_suspect(out_dtype: torch.dtype) -> None:
+    """The screen convert runs on every head (the fp64 error is measured on a sample only): one
+    head's weights scaled down through the fold dtype's normal range into its subnormals, each head
+    whose fp64 error (measured here, independently) exceeds the tolerance must be flagged, and a
+    head of ordinary weights must not be (it would cost an fp64 check of every head)."""
+    q_b, kv_b = random_weights(TINY, dtype=torch.float32)
+    rms = fp64_fold_of_head(q_b, kv_b, TINY, 3)[: TINY.kv_lora_rank].pow(2).mean().sqrt().item()
+    beyond = flagged = 0
+    for exponent in range(48):  # the head's ql_nope RMS from 256 times the dtype's smallest normal down
+        factor = torch.finfo(out_dtype).tiny / rms * 2.0 ** (8 - exponent / 2)
+        scaled = with_one_head_scaled(q_b, TINY, 3, factor)
+        fold = fold_layer(scaled, kv_b, TINY, out_dtype).reshape(TINY.num_heads, TINY.fold_head_dim, -1)
+        suspects = underflow_suspects(fold, TINY)
+        assert not set(suspects) - {3}, (factor, suspects)
+        reference = fp64_fold_of_head(scaled, kv_b, TINY, 3)[: TINY.kv_lora_rank]
+        error = ((fold[3, : TINY.kv_lora_rank].double() - reference).norm() / reference.norm()).item()
+        if error > ROUNDING_TOLERANCE[out_dtype]:
+            beyond += 1
+            assert suspects == [3], (factor, error)
+        flagged += suspects == [3]
+    assert beyond >= 5 and flagged < beyond + 12  # the sweep crosses the boundary; the screen is not all-flagging
 
 
 def test_an_all_zero_layer_folds_exactly_with_zero_errors() -> None:
