@@ -333,13 +333,18 @@ def read_manifest(out_dir: Path, expect_sha256: str | None = None) -> Manifest:
         raise bad(f"invalid JSON ({exc}); damaged or edited after conversion") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         raise bad("not a foldckpt manifest (no \"format\": \"foldckpt\")")
-    version = data.get("format_version")
-    if version == 1 and DIGEST_KEY not in data and "tp_sizes" in data:
+    version, recorded = data.get("format_version"), data.get(DIGEST_KEY)
+    # The self-digest first (every format since 2 has it, by the same rule), then the format:
+    # the format_version of a current manifest edited to an older one is an edit (a failed check,
+    # exit 1), not an old output to reconvert (unusable input, exit 2).
+    if version == 1 and recorded is None and "tp_sizes" in data:
         raise FoldckptError.at(
             path, f"written in manifest format 1 (per-TP rank hashes, no self-digest) by foldckpt "
             f"{data.get('tool_version')}; foldckpt {__version__} reads format {FORMAT_VERSION} only: "
             "reconvert (foldckpt convert MODEL_DIR OUT_DIR --restart)",
         )  # fmt: skip
+    if not isinstance(recorded, str) or recorded != manifest_digest(data):
+        raise bad(f"its self-digest ({DIGEST_KEY}) does not match its content: edited or damaged after conversion")
     if isinstance(version, int) and version in _OLDER_FORMATS:
         raise FoldckptError.at(
             path, f"written in manifest format {version} ({_OLDER_FORMATS[version]}) by foldckpt "
@@ -348,9 +353,6 @@ def read_manifest(out_dir: Path, expect_sha256: str | None = None) -> Manifest:
         )  # fmt: skip
     if version != FORMAT_VERSION:
         raise bad(f"format_version {version!r} is not one foldckpt {__version__} reads ({FORMAT_VERSION}): edited, or written by another foldckpt")
-    recorded = data.get(DIGEST_KEY)
-    if not isinstance(recorded, str) or recorded != manifest_digest(data):
-        raise bad(f"its self-digest ({DIGEST_KEY}) does not match its content: edited or damaged after conversion")
     try:
         canonical = encode_manifest(data) == raw
     except (TypeError, ValueError):

@@ -540,3 +540,21 @@ def test_an_output_of_an_older_manifest_format_is_refused_then_replaced_by_resta
         assert not isinstance(caught.value, ManifestError)  # unusable input (exit 2), not a failed check
     convert(model_dir, out_dir, ConvertOptions(progress=False, restart=True))
     assert read_manifest(out_dir).format_version == FORMAT_VERSION == 4 and check(out_dir).ok
+
+
+@pytest.mark.parametrize("version", [1, 2, 3, 5])
+def test_an_edited_format_version_fails_the_self_digest_not_the_format_check(converted: Converted, version: int) -> None:
+    """``"format_version": 4`` edited in the file's bytes: an edit of a current manifest (exit 1,
+    self-digest), not an output of an older foldckpt to reconvert (exit 2), which the format check,
+    run before the digest, called it."""
+    _, out_dir = converted("deepseek_v3")
+    path = out_dir / MANIFEST_NAME
+    raw = path.read_bytes()
+    assert raw.count(b'"format_version": 4,') == 1
+    path.write_bytes(raw.replace(b'"format_version": 4,', f'"format_version": {version},'.encode()))
+    run = run_foldckpt("verify", out_dir, "-q")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "FAIL manifest" in run.stdout and "its self-digest (manifest_sha256) does not match its content" in run.stdout
+    assert "reconvert" not in run.stdout + run.stderr
+    with pytest.raises(ManifestError, match="self-digest"):
+        open_fold_set(out_dir)
