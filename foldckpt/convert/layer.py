@@ -102,19 +102,33 @@ def _load_weight(
 ) -> tuple[torch.Tensor, list[SourceTensor], float]:
     """One fold input, dequantized to fp32 when it is fp8, the hashes of the bytes read, and its
     largest |value| (NaN when it holds a NaN)."""
-    tensor, record = _load(fetch, weight.file, weight.info)
-    records = [record]
+    stored, record = _load(fetch, weight.file, weight.info)
+    tensor, records, scale = stored, [record], None
     if weight.scale is not None and weight.block is not None:
         scale, scale_record = _load(fetch, *weight.scale)
         records.append(scale_record)
-        tensor = dequantize_fp8_blocks(tensor, scale, weight.block, weight.name)
+        tensor = dequantize_fp8_blocks(stored, scale, weight.block, weight.name)
     largest = abs_max(tensor)
     if not allow_nonfinite and not math.isfinite(largest):
+        file, what = _nonfinite_source(weight, stored, scale)
         raise FoldckptError(
-            f"{plan.source.model_dir / weight.file}: tensor '{weight.name}' contains NaN or Inf; "
-            "refusing to fold (pass --allow-nonfinite to fold it anyway)"
+            f"{plan.source.model_dir / file}: {what}; refusing to fold (pass --allow-nonfinite to fold it anyway)"
         )
     return tensor, records, largest
+
+
+def _nonfinite_source(weight: SourceWeight, stored: torch.Tensor, scale: torch.Tensor | None) -> tuple[str, str]:
+    """Which file and tensor put a NaN or Inf into a fold input (only asked once one is found): an
+    fp8 weight's block scales may lie in another shard than the weight, and a user must be sent to
+    the bytes that hold it, or told that finite values overflowed float32 when multiplied."""
+    if scale is None or not all_finite(stored):
+        return weight.file, f"tensor '{weight.name}' contains NaN or Inf"
+    scale_file, scale_info = weight.scale  # type: ignore[misc]
+    if not all_finite(scale):
+        return scale_file, f"tensor '{scale_info.name}' (the block scales of '{weight.name}') contains NaN or Inf"
+    return weight.file, (
+        f"tensor '{weight.name}' times its block scales '{scale_info.name}' (in {scale_file}) overflows float32"
+    )
 
 
 def nonfinite_count(fold: torch.Tensor, scale: torch.Tensor | None = None) -> int:

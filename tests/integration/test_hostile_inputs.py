@@ -475,6 +475,30 @@ def test_nonfinite_weights_are_refused_unless_allowed(tensor: str, value: float,
     assert "1 layer(s) with NaN/Inf inputs compared bitwise only" in deep.stdout
 
 
+@pytest.mark.parametrize(
+    ("tensor", "dtype", "value"),
+    [("model.layers.0.self_attn.q_b_proj.weight_scale_inv", torch.float32, float("nan")),
+     ("model.layers.0.self_attn.q_b_proj.weight", torch.float8_e4m3fn, float("nan"))],
+    ids=["nan-in-the-scales", "nan-in-the-fp8-weight"],
+)  # fmt: skip
+def test_a_nonfinite_fp8_input_is_named_by_the_file_and_tensor_that_hold_it(
+    tensor: str, dtype: torch.dtype, value: float, tmp_path: Path
+) -> None:
+    """q_b_proj's fp8 values lie in model-00001, its block scales in model-00003: a NaN written
+    into the scales' bytes was reported as model-00001's 'q_b_proj.weight' (the dequantized
+    product was checked, under the weight's name)."""
+    model = make_checkpoint(tmp_path / "fp8", "deepseek_v3_fp8")
+    file = json.loads((model / INDEX_NAME).read_text())["weight_map"][tensor]
+    info = read_header(model / file).tensors[tensor]
+    with open(model / file, "r+b") as handle:
+        handle.seek(info.start)
+        handle.write(torch.tensor([value]).to(dtype).view(torch.uint8).numpy().tobytes())
+    line = error_line(run_cli("convert", model, tmp_path / "out", "-q"))
+    assert f"{model / file}: tensor '{tensor}'" in line and "contains NaN or Inf" in line, line
+    if tensor.endswith("_scale_inv"):
+        assert file == "model-00003-of-00003.safetensors" and "model-00001" not in line, line
+
+
 # ----------------------------------------------------------------------------- full disk, too large
 
 
