@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import re
+import shlex
 import signal
 import sys
 import tempfile
@@ -45,7 +46,7 @@ from foldckpt.errors import (
 from foldckpt import signals
 from foldckpt.io.files import json_safe
 from foldckpt.model.geometry import describe_layers
-from foldckpt.options import COUNT, INDEX, SIZE, TP_SIZES, ConvertOptions, VerifyOptions
+from foldckpt.options import COUNT, INDEX, PATTERNS, SIZE, TP_SIZES, ConvertOptions, VerifyOptions
 from foldckpt.progress import human_bytes
 
 if TYPE_CHECKING:
@@ -105,6 +106,8 @@ def _click_option(field: dataclasses.Field[Any]) -> Callable[[_Command], _Comman
         return click.option(name, field.name, is_flag=True, **kwargs)
     if meta["kind"] == TP_SIZES:
         return click.option(name, field.name, multiple=True, callback=_parse_tp, **kwargs)
+    if meta["kind"] == PATTERNS:
+        return click.option(name, field.name, multiple=True, **kwargs)
     if meta["choices"] is not None:
         kwargs["type"] = click.Choice(list(meta["choices"]))
     elif meta["kind"] is not None:
@@ -313,6 +316,9 @@ class _VerifyPrinter:
             click.echo(f"{'ok  ' if level.ok else 'FAIL'} {level.name:<10} {level.summary} ({level.elapsed_s:.2f} s)")
             for problem in level.problems:
                 click.echo(f"     - {problem}")
+            if level.name == "manifest" and report.allow_extra:  # what the verdict took on trust, said each time
+                patterns = " ".join(f"--allow-extra {shlex.quote(pattern)}" for pattern in report.allow_extra)
+                click.echo(f"     allowed by {patterns}: {', '.join(report.allowed_extra) or 'nothing found'}")
         self._shown = len(report.levels)
 
     def finish(self, report: VerifyReport) -> None:

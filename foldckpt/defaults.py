@@ -28,6 +28,9 @@ _TORCH_DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "
 ACCUMULATION_DTYPE = "float32"
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 SIDECAR_PREFIX = "foldckpt-"
+# The resume journal of an unfinished conversion (foldckpt.convert.journal): verify and the serving
+# loader refuse a directory that holds one.
+JOURNAL_NAME = ".foldckpt-journal.json"
 # A sidecar's header is padded to a multiple of this (the page size, and direct I/O's alignment),
 # so its folds start on page boundaries: a Kimi-K3 fold is a whole number of pages, and convert
 # writes each head chunk straight from its page-aligned ring buffer with direct I/O, no staging copy.
@@ -57,6 +60,16 @@ def env_switch(name: str, default: bool, on: str, off: str, environ: Mapping[str
         raise FoldckptError(
             f"{name}={raw!r}: use 1, true, yes or on{unset_on} to {on}; 0, false, no or off{unset_off} to {off}"
         ) from None
+
+
+# The serving plugin refuses entries of the served directory its manifest does not list, except
+# those these patterns (separated by os.pathsep, as in PATH) match: verify's --allow-extra.
+ALLOW_EXTRA_ENV = "FOLDCKPT_ALLOW_EXTRA"
+
+
+def allow_extra_patterns(value: str | None) -> tuple[str, ...]:
+    """The patterns of ``FOLDCKPT_ALLOW_EXTRA`` (none when unset or empty)."""
+    return tuple(pattern for pattern in (value or "").split(os.pathsep) if pattern)
 
 
 def nan_last(error: float) -> float:

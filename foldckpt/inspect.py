@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from foldckpt.convert.journal import JOURNAL_NAME, Journal
+from foldckpt.convert.journal import Journal
+from foldckpt.defaults import JOURNAL_NAME
 from foldckpt.errors import FoldckptError
 from foldckpt.format.manifest import MANIFEST_NAME, FoldedLayer, read_manifest
 from foldckpt.io.files import is_locked, lock_holder

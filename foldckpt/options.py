@@ -33,6 +33,7 @@ COUNT = "count"  # an integer >= 1
 INDEX = "index"  # an integer >= 0
 SIZE = "size"  # a byte size such as 5GB or 512MiB
 TP_SIZES = "tp_sizes"  # comma-separated tensor-parallel sizes, repeatable
+PATTERNS = "patterns"  # a repeatable flag, one pattern each
 
 
 def flag(
@@ -103,6 +104,16 @@ class VerifyOptions:
     # Refuse the directory unless foldckpt.json has exactly this sha256 (what `sha256sum` prints).
     expect_manifest_sha256: str | None = flag(
         "Fail unless foldckpt.json has this sha256 (as verify, inspect and sha256sum print it).", metavar="HEX"
+    )
+    # Patterns of entries the manifest does not list that may lie in the directory all the same
+    # (shell-style, on the path relative to it: foldckpt.format.consistency.unlisted_entries).
+    allow_extra: tuple[str, ...] = flag(
+        "Let entries foldckpt.json does not list through when their path relative to OUT_DIR matches this "
+        "shell-style pattern ('*' matches '/' too; a folder's match covers all it holds). Repeatable; "
+        "recorded in the report. Without it, any unlisted file, folder or symlink fails.",
+        (),
+        kind=PATTERNS,
+        metavar="PATTERN",
     )
     workers: int | None = flag(
         "Hashing threads (default: one per core when the files are cached, else two per core).", kind=COUNT

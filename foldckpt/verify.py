@@ -8,7 +8,9 @@ includes the ones before it, and a failing level stops the run (its problems nam
 relative to OUT_DIR, and the tensor where there is one):
 
 1. ``manifest``: the manifest is unedited and self-consistent (:func:`foldckpt.format.consistency.manifest_problems`);
-   every file it lists exists with its recorded size; no stray sidecar or safetensors file.
+   every file it lists exists with its recorded size; nothing else lies in the directory, at any
+   depth (:func:`foldckpt.format.consistency.unlisted_entries`), but what ``allow_extra`` names (recorded
+   in the report) and never convert's resume journal (a conversion that has not finished).
 2. ``structure``: no tensor data read. Every safetensors header parses and tiles its file exactly;
    the sidecar headers hold exactly the manifest's tensors; the index and the source shards'
    headers agree both ways and every indexed shard is vouched for by the manifest; the source
@@ -48,6 +50,7 @@ from foldckpt.format.consistency import (
     header_tensors,
     manifest_problems,
     sidecar_headers,
+    unlisted_entries,
 )
 from foldckpt.defaults import DEFAULT_MAX_SHARD_SIZE
 from foldckpt.io.direct_io import BufferPool
@@ -100,6 +103,9 @@ class VerifyReport:
     elapsed_s: float = 0.0
     # sha256 of the foldckpt.json file, as `sha256sum` prints it: what a user pins.
     manifest_sha256: str | None = None
+    # The allow-list asked for, and the unlisted entries it let through.
+    allow_extra: tuple[str, ...] = ()
+    allowed_extra: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -114,6 +120,7 @@ class VerifyReport:
             "out_dir": str(self.out_dir),
             "ok": self.ok,
             "manifest_sha256": self.manifest_sha256,
+            "allow_extra": {"patterns": list(self.allow_extra), "allowed": list(self.allowed_extra)},
             "levels": [lv.to_dict() for lv in self.levels],
             "elapsed_s": round(self.elapsed_s, 6),
         }
@@ -124,14 +131,21 @@ def _level(name: str, problems: list[Problem], summary: str, bytes_read: int = 0
     return LevelResult(name, not problems, summary if not problems else failed, tuple(problems), bytes_read=bytes_read)
 
 
-def check_manifest(out_dir: Path, manifest: Manifest, pinned: bool = False) -> LevelResult:
-    """The manifest (already proven unedited by :func:`read_manifest`) hangs together, and the file set."""
+def check_manifest(
+    out_dir: Path, manifest: Manifest, pinned: bool = False, allow_extra: tuple[str, ...] = ()
+) -> tuple[LevelResult, tuple[str, ...]]:
+    """The manifest (already proven unedited by :func:`read_manifest`) hangs together, and the file
+    set: every listed file, and nothing else but what ``allow_extra`` names. Returns the level and
+    the unlisted entries allowed."""
     problems = manifest_problems(manifest)
     if problems:  # file names may be unsafe: judge no file by this manifest
-        return _level("manifest", problems, "")
-    problems = file_problems(out_dir, manifest)
+        return _level("manifest", problems, ""), ()
+    unlisted = unlisted_entries(out_dir, manifest, allow_extra)
+    problems = file_problems(out_dir, manifest) + list(unlisted.problems)
     proof = "pinned sha256 and self-digest match" if pinned else "self-digest matches"
-    return _level("manifest", problems, f"{proof}; {len(manifest.files)} files present with recorded sizes")
+    extra = f" but {len(unlisted.allowed)} allowed" if allow_extra else ""
+    summary = f"{proof}; {len(manifest.files)} files present with recorded sizes, nothing unlisted{extra}"
+    return _level("manifest", problems, summary), unlisted.allowed
 
 
 def _check_index(out_dir: Path, source: SourceCheckpoint, manifest: Manifest) -> list[Problem]:
@@ -493,15 +507,28 @@ def verify(out_dir: Path, options: VerifyOptions = VerifyOptions()) -> VerifyRep
         raise FoldckptError(
             f"{out_dir}: a foldckpt convert is writing this directory right now; verify it once that has finished"
         )
+    allowed: list[str] = []
+
+    def report(levels: tuple[LevelResult, ...], sha256: str | None) -> VerifyReport:
+        return VerifyReport(out_dir, levels, time.perf_counter() - begun, sha256, options.allow_extra, tuple(allowed))
+
     try:
         manifest = read_manifest(out_dir, options.expect_manifest_sha256)
     except ManifestError as exc:  # an edited, damaged or unpinned manifest: verification fails
         level = LevelResult("manifest", False, "1 problem(s)", (Problem(MANIFEST_NAME, exc.detail),),
                             time.perf_counter() - begun)  # fmt: skip
-        return VerifyReport(out_dir, (level,), time.perf_counter() - begun, file_sha256(out_dir))
+        return report((level,), file_sha256(out_dir))
     _check_options(out_dir, manifest, options)
+
+    def manifest_level() -> LevelResult:
+        level, entries = check_manifest(
+            out_dir, manifest, options.expect_manifest_sha256 is not None, options.allow_extra
+        )
+        allowed.extend(entries)
+        return level
+
     checks = {
-        "manifest": lambda: check_manifest(out_dir, manifest, options.expect_manifest_sha256 is not None),
+        "manifest": manifest_level,
         "structure": lambda: check_structure(out_dir, manifest),
         "content": lambda: check_content(out_dir, manifest, options),
         "deep": lambda: check_deep(out_dir, manifest, options),
@@ -512,7 +539,7 @@ def verify(out_dir: Path, options: VerifyOptions = VerifyOptions()) -> VerifyRep
         result = checks[name]()
         results.append(dataclasses.replace(result, elapsed_s=time.perf_counter() - started))
         if options.on_level is not None:
-            options.on_level(VerifyReport(out_dir, tuple(results), time.perf_counter() - begun, manifest.file_sha256))
+            options.on_level(report(tuple(results), manifest.file_sha256))
         if not result.ok:
             break
-    return VerifyReport(out_dir, tuple(results), time.perf_counter() - begun, manifest.file_sha256)
+    return report(tuple(results), manifest.file_sha256)

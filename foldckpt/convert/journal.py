@@ -21,7 +21,6 @@ from foldckpt.errors import FoldckptError
 from foldckpt.format.manifest import FORMAT_VERSION, Manifest
 from foldckpt.io.files import atomic_write_json, parse_json
 
-JOURNAL_NAME = ".foldckpt-journal.json"
 
 
 def run_identity(files: tuple[str, ...] | list[str], parameters: dict[str, Any]) -> dict[str, Any]:

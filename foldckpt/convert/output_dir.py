@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from foldckpt.convert.journal import (
-    JOURNAL_NAME,
     Journal,
     ShardProgress,
     differences,
@@ -26,6 +25,7 @@ from foldckpt.convert.plan import (
     SIDECAR_PREFIX,
     ConversionPlan,
 )
+from foldckpt.defaults import JOURNAL_NAME
 from foldckpt.errors import FoldckptError
 from foldckpt.format.consistency import sidecar_intact
 from foldckpt.format.manifest import (

@@ -205,7 +205,7 @@ def resolve_tp_sizes(geometry: Geometry, tp_sizes: tuple[int, ...] | None) -> tu
 def _refuse_foldckpt_output(model_dir: Path) -> None:
     """A foldckpt output (finished or not) is not a model to convert: its manifest, journal and
     sidecars would be carried over as source files of the new output, which then fails verify."""
-    from foldckpt.convert.journal import JOURNAL_NAME
+    from foldckpt.defaults import JOURNAL_NAME
     from foldckpt.format.manifest import MANIFEST_NAME
 
     marks = [MANIFEST_NAME, JOURNAL_NAME, *sorted(p.name for p in model_dir.glob(f"{SIDECAR_PREFIX}*.safetensors"))]

@@ -6,8 +6,12 @@ a manifest cannot disagree on what "consistent" means:
 * :func:`manifest_problems`: the manifest hangs together on its own (file names stay inside the
   directory, digests are 64 hex digits, one head digest per head, every MLA layer of its geometry has a
   fold of the right dtype and shape in a listed sidecar);
-* :func:`file_problems`: the file set: every listed file exists with its recorded size, no stray
-  safetensors file or sidecar lies beside them;
+* :func:`file_problems`: every listed file exists with its recorded size;
+* :func:`unlisted_entries`: every other entry of the directory (file, folder, symlink, at any
+  depth, hidden ones too) that the manifest does not vouch for, unless an explicit allow-list
+  (``verify --allow-extra``, ``FOLDCKPT_ALLOW_EXTRA`` when serving) names it: an added
+  ``chat_template.jinja``, ``tokenizer.model`` or ``modeling_*.py`` changes what is served as
+  surely as an edited one;
 * :func:`sidecar_headers`: every sidecar header parses, tiles its file, has the recorded sha256
   and holds exactly the manifest's folds with their dtypes and shapes;
 * :func:`add_head_ranges` / :func:`heads_intact` / :func:`sidecar_intact`: the head blocks whose digests, with the
@@ -21,17 +25,19 @@ Each returns :class:`Problem` records (file relative to the directory, tensor wh
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
+import os
 import string
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from foldckpt.defaults import FOLD_DTYPE_NAMES, FOLD_SCALE_DTYPE, SCALED_FOLD_DTYPES, SIDECAR_PREFIX
+from foldckpt.defaults import JOURNAL_NAME, FOLD_DTYPE_NAMES, FOLD_SCALE_DTYPE, SCALED_FOLD_DTYPES, SIDECAR_PREFIX
 from foldckpt.errors import FoldckptError
 from foldckpt.model.geometry import CONFIG_NAME, read_geometry
-from foldckpt.io.files import os_error
+from foldckpt.io.files import is_tmp_path, os_error
 from foldckpt.io.hashing import HashJob, RangeCheck, hash_job, tensor_digest
 from foldckpt.format.manifest import MANIFEST_NAME, FoldTensor, Manifest, SidecarRecord, SourceTensor
 from foldckpt.io.safetensors_format import SafetensorsHeader, TensorInfo, read_header, read_tensor_bytes
@@ -139,8 +145,8 @@ def manifest_problems(manifest: Manifest) -> list[Problem]:
 
 
 def file_problems(out_dir: Path, manifest: Manifest) -> list[Problem]:
-    """Every listed file exists with its recorded size; no unlisted safetensors file lies beside them.
-    Only call once :func:`manifest_problems` found nothing (file names may be unsafe)."""
+    """Every listed file exists with its recorded size. Only call once :func:`manifest_problems`
+    found nothing (file names may be unsafe)."""
     problems: list[Problem] = []
     for name, record in manifest.files.items():
         path = out_dir / name
@@ -151,12 +157,80 @@ def file_problems(out_dir: Path, manifest: Manifest) -> list[Problem]:
             problems.append(Problem(name, "a symlink; convert writes sidecars in place (copy the directory with cp -rL)"))
         elif (size := path.stat().st_size) != record.size:
             problems.append(Problem(name, f"size {size} bytes, {MANIFEST_NAME} records {record.size} (truncated or replaced?)"))
-    for path in sorted(out_dir.glob("*.safetensors")):
-        if path.name.startswith(".") or path.name in manifest.files:
-            continue
-        kind = "sidecar" if path.name.startswith(SIDECAR_PREFIX) else "safetensors file"
-        problems.append(Problem(path.name, f"stray {kind} not listed in {MANIFEST_NAME}"))
     return problems
+
+
+@dataclass(frozen=True)
+class Unlisted:
+    """What :func:`unlisted_entries` found: the entries it refuses, and those the allow-list let through."""
+
+    problems: tuple[Problem, ...]
+    allowed: tuple[str, ...]
+
+
+_ALLOW_HINT = "remove it, or allow it (verify --allow-extra PATTERN; FOLDCKPT_ALLOW_EXTRA when serving)"
+
+
+def unlisted_entries(out_dir: Path, manifest: Manifest, allow: Iterable[str] = ()) -> Unlisted:
+    """Every entry of ``out_dir``, at any depth, that the manifest does not vouch for: a file or
+    symlink it does not list, a folder that holds none of its files (reported once, as a whole), a
+    symlink where its files need a folder. Symlinks are never followed. ``allow`` holds
+    shell-style patterns (``fnmatch``: ``*`` matches ``/`` too) on the path relative to
+    ``out_dir``; one that matches an entry lets it and all it holds through. Convert's resume
+    journal cannot be allowed: it means a conversion has not finished there (the temporary files
+    of an interrupted write can, they are inert). Only call once :func:`manifest_problems` found
+    nothing."""
+    patterns = tuple(allow)
+    listed = {*manifest.files, MANIFEST_NAME}
+    folders = {parent.as_posix() for name in listed for parent in PurePosixPath(name).parents} - {"."}
+    problems: list[Problem] = []
+    allowed: list[str] = []
+
+    def visit(relative: str) -> bool:
+        """Report what ``relative`` (a folder) holds; whether it holds anything listed or allowed."""
+        try:
+            entries = sorted(os.scandir(out_dir / relative if relative else out_dir), key=lambda e: e.name)
+        except OSError as exc:
+            problems.append(Problem(relative or ".", f"cannot be listed ({exc.strerror}), so it cannot be checked"))
+            return True
+        found: list[Problem] = []
+        vouched = False
+        for entry in entries:
+            name = f"{relative}/{entry.name}" if relative else entry.name
+            if name in listed:
+                vouched = True  # file_problems checks it
+            elif name == JOURNAL_NAME:
+                found.append(Problem(name, "the resume journal of a convert that has not finished in this directory: "
+                                           "rerun that convert command to finish it"))  # fmt: skip
+            elif any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+                allowed.append(name)
+                vouched = True
+            elif entry.is_symlink():
+                target = os.readlink(entry.path)
+                what = "where convert makes a folder" if name in folders else f"not listed in {MANIFEST_NAME}"
+                found.append(Problem(name, f"a symlink (to {target}) {what}; {_ALLOW_HINT}"))
+            elif entry.is_dir(follow_symlinks=False):
+                before = len(problems)
+                if visit(name) or name in folders:
+                    vouched = True
+                    continue
+                del problems[before:]  # nothing in it is vouched for: the folder is reported once
+                found.append(Problem(name, f"a folder holding nothing {MANIFEST_NAME} lists; {_ALLOW_HINT}"))
+            else:
+                found.append(Problem(name, f"{_stray_kind(entry)} not listed in {MANIFEST_NAME}; {_ALLOW_HINT}"))
+        problems.extend(found)
+        return vouched
+
+    visit("")
+    return Unlisted(tuple(problems), tuple(allowed))
+
+
+def _stray_kind(entry: os.DirEntry[str]) -> str:
+    if entry.name.endswith(".safetensors"):
+        return "stray sidecar" if entry.name.startswith(SIDECAR_PREFIX) else "stray safetensors file"
+    if is_tmp_path(Path(entry.name)):
+        return "a temporary file of an interrupted foldckpt write,"
+    return "a stray file" if entry.is_file(follow_symlinks=False) else "a stray special file (FIFO, socket or device)"
 
 
 def sidecar_headers(out_dir: Path, manifest: Manifest) -> tuple[dict[str, SafetensorsHeader], list[Problem]]:
@@ -247,13 +321,25 @@ def config_problems(out_dir: Path, manifest: Manifest) -> list[Problem]:
     return [Problem(CONFIG_NAME, f"describes another model than {MANIFEST_NAME} was made for ({'; '.join(diffs)})")]
 
 
-def check_served(out_dir: Path, manifest: Manifest, remedy: str = "") -> dict[str, SafetensorsHeader]:
+def check_served(
+    out_dir: Path, manifest: Manifest, remedy: str = "", allow: Iterable[str] = ()
+) -> dict[str, SafetensorsHeader]:
     """What the serving loader checks before any weight is read: all of the above; raises the first
-    problem as a :class:`FoldckptError` naming its file (and tensor). Returns the sidecar headers."""
+    problem as a :class:`FoldckptError` naming its file (and tensor). Returns the sidecar headers.
+    An unlisted entry (:func:`unlisted_entries`, ``allow`` its allow-list) is refused like a
+    changed file: it can change what is served (a chat template, a tokenizer, remote code), and
+    the pinned manifest (``FOLDCKPT_EXPECT_MANIFEST_SHA256``) would otherwise not name everything
+    that serves."""
     out_dir = Path(out_dir)
-    for stage in (manifest_problems(manifest), file_problems(out_dir, manifest), config_problems(out_dir, manifest)):
-        if stage:
-            raise stage[0].error(out_dir, remedy)
+    stages: tuple[Callable[[], Sequence[Problem]], ...] = (
+        lambda: manifest_problems(manifest),  # first: the others take its file names as safe
+        lambda: file_problems(out_dir, manifest),
+        lambda: unlisted_entries(out_dir, manifest, allow).problems,
+        lambda: config_problems(out_dir, manifest),
+    )
+    for stage in stages:
+        if problems := stage():
+            raise problems[0].error(out_dir, remedy)
     headers, problems = sidecar_headers(out_dir, manifest)
     if problems:
         raise problems[0].error(out_dir, remedy)

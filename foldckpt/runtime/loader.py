@@ -4,9 +4,17 @@ The plugin calls :func:`open_fold_set` once per served directory, while the mode
 and before any weight is read. It runs the same consistency check as ``foldckpt verify``
 (:mod:`foldckpt.format.consistency`): the manifest proves itself unedited (self-digest, exact encoding,
 and the sha256 pinned by ``FOLDCKPT_EXPECT_MANIFEST_SHA256`` when set), hangs together, every file
-it lists exists with its size, every sidecar header holds exactly its folds, and ``config.json``
-gives exactly its geometry. A defect anywhere stops the engine with a :class:`FoldckptError`
-naming the file (and tensor), so a model is folded completely or not at all.
+it lists exists with its size, nothing else lies in the directory, every sidecar header holds
+exactly its folds, and ``config.json`` gives exactly its geometry. A defect anywhere stops the
+engine with a :class:`FoldckptError` naming the file (and tensor), so a model is folded completely
+or not at all.
+
+An entry the manifest does not list stops the engine too, as ``verify`` fails on it, rather than a
+warning in a log few read: vLLM and transformers read more of the directory than the weights (a
+``chat_template.jinja``, a tokenizer, ``modeling_*.py`` under ``trust_remote_code``), so an added
+file changes what is served as surely as an edited one, and a pinned manifest must name all that
+serves. Files a deployment adds on purpose are allowed by name: ``FOLDCKPT_ALLOW_EXTRA`` holds
+patterns (separated by ``:``) as ``verify --allow-extra`` takes them.
 
 :meth:`FoldSet.read_rows` then reads the rows one tensor-parallel rank owns (its whole heads, a
 plain row range for any TP size dividing the heads, see ARCHITECTURE.md "Layout") with ``pread``
@@ -28,7 +36,7 @@ from pathlib import Path
 import torch
 
 from foldckpt.format.consistency import changed_fold_inputs, check_served
-from foldckpt.defaults import EXPECT_MANIFEST_ENV
+from foldckpt.defaults import ALLOW_EXTRA_ENV, EXPECT_MANIFEST_ENV, allow_extra_patterns
 from foldckpt.errors import FoldckptError
 from foldckpt.model.geometry import Geometry, MLALayer
 from foldckpt.io.hashing import describe_heads, head_digests, rank_digest
@@ -120,7 +128,8 @@ class FoldSet:
 def open_fold_set(model_dir: Path, expect_sha256: str | None = None) -> FoldSet:
     """Check a converted directory as far as possible without reading tensor data.
 
-    ``expect_sha256`` (default: ``$FOLDCKPT_EXPECT_MANIFEST_SHA256``) pins the manifest file."""
+    ``expect_sha256`` (default: ``$FOLDCKPT_EXPECT_MANIFEST_SHA256``) pins the manifest file;
+    ``$FOLDCKPT_ALLOW_EXTRA`` allows entries the manifest does not list."""
     model_dir = Path(model_dir)
     if expect_sha256 is None:
         expect_sha256 = os.environ.get(EXPECT_MANIFEST_ENV) or None
@@ -128,7 +137,7 @@ def open_fold_set(model_dir: Path, expect_sha256: str | None = None) -> FoldSet:
         manifest = read_manifest(model_dir, expect_sha256)
     except FoldckptError as exc:
         raise type(exc)(f"{exc}; {_REMEDY}", path=exc.path, tensor=exc.tensor, detail=f"{exc.detail}; {_REMEDY}") from None
-    headers = check_served(model_dir, manifest, _REMEDY)
+    headers = check_served(model_dir, manifest, _REMEDY, allow_extra_patterns(os.environ.get(ALLOW_EXTRA_ENV)))
     return FoldSet(model_dir, manifest, headers)
 
 

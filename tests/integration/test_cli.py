@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from foldckpt.convert.journal import JOURNAL_NAME
+from foldckpt.defaults import JOURNAL_NAME
 from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
 from foldckpt.model.synthetic import make_checkpoint
 from tests.conftest import REPO, run_foldckpt

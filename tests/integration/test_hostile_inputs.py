@@ -33,7 +33,7 @@ import torch
 from foldckpt.model.checkpoint import INDEX_NAME
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.errors import FoldckptError
-from foldckpt.convert.journal import JOURNAL_NAME
+from foldckpt.defaults import JOURNAL_NAME
 from foldckpt.format.manifest import MANIFEST_NAME
 from foldckpt.io.safetensors_format import read_header
 from foldckpt.model.synthetic import make_checkpoint

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from foldckpt.io.files import tmp_path_for
-from foldckpt.convert.journal import JOURNAL_NAME
+from foldckpt.defaults import JOURNAL_NAME
 from foldckpt.format.manifest import MANIFEST_NAME
 from foldckpt.model.synthetic import make_checkpoint
 from foldckpt.verify import VerifyOptions, verify

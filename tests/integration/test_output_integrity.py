@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from foldckpt.model.checkpoint import INDEX_NAME
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.io.files import exclusive_lock
-from foldckpt.convert.journal import JOURNAL_NAME
+from foldckpt.defaults import JOURNAL_NAME
 from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
 from foldckpt.io.safetensors_format import read_header
 from foldckpt.model.synthetic import make_checkpoint

@@ -271,6 +271,117 @@ def test_a_stray_safetensors_file_fails_the_manifest_level(converted: Converted,
     assert files_named(level.problems) == {stray} and "stray" in level.problems[0].what
 
 
+def add_chat_template(out_dir: Path, outside: Path) -> str:
+    (out_dir / "chat_template.jinja").write_text("{{ messages }}")
+    return "chat_template.jinja"
+
+
+def add_remote_code(out_dir: Path, outside: Path) -> str:
+    (out_dir / "modeling_deepseek.py").write_text("import os\n")
+    return "modeling_deepseek.py"
+
+
+def add_tokenizer_link(out_dir: Path, outside: Path) -> str:
+    (outside / "tokenizer.model").write_bytes(b"\x00" * 64)
+    (out_dir / "tokenizer.model").symlink_to(outside / "tokenizer.model")
+    return "tokenizer.model"
+
+
+def add_dangling_link(out_dir: Path, outside: Path) -> str:
+    (out_dir / "preprocessor_config.json").symlink_to(outside / "nowhere.json")
+    return "preprocessor_config.json"
+
+
+def add_nested_folder(out_dir: Path, outside: Path) -> str:
+    (out_dir / "extra" / "deeper").mkdir(parents=True)
+    (out_dir / "extra" / "deeper" / "tokenizer_config.json").write_text("{}")
+    return "extra"
+
+
+def add_empty_folder(out_dir: Path, outside: Path) -> str:
+    (out_dir / "empty").mkdir()
+    return "empty"
+
+
+def add_hidden_file(out_dir: Path, outside: Path) -> str:
+    (out_dir / ".cache").mkdir()
+    (out_dir / ".cache" / "notes").write_text("x")
+    return ".cache"
+
+
+def add_fifo(out_dir: Path, outside: Path) -> str:
+    os.mkfifo(out_dir / "pipe")
+    return "pipe"
+
+
+def add_temporary_file(out_dir: Path, outside: Path) -> str:
+    (out_dir / ".config.json.foldckpt-tmp").write_text("{}")
+    return ".config.json.foldckpt-tmp"
+
+
+@pytest.mark.parametrize("add", [
+    add_chat_template, add_remote_code, add_tokenizer_link, add_dangling_link, add_nested_folder, add_empty_folder,
+    add_hidden_file, add_fifo, add_temporary_file,
+])  # fmt: skip
+def test_every_entry_the_manifest_does_not_list_fails_verify_and_serving_unless_allowed(
+    converted: Converted, tmp_path: Path, add: Callable[[Path, Path], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat template, remote code or a tokenizer added to OUT_DIR changes what is served, and
+    verify (pinned too) passed with them: only stray safetensors files were looked for. Every
+    unlisted entry now fails the manifest level (exit 1), is refused by the serving loader, and
+    passes only through an allow-list that the report records and prints."""
+    from foldckpt.runtime.loader import open_fold_set
+
+    _, out_dir = converted("deepseek_v3")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    entry = add(out_dir, outside)
+    pinned = hashlib.sha256((out_dir / MANIFEST_NAME).read_bytes()).hexdigest()
+    run = run_foldckpt("verify", out_dir, "--quiet", "--expect-manifest-sha256", pinned)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"     - {entry}: " in run.stdout and "--allow-extra" in run.stdout and "verification FAILED" in run.stdout
+    level = failed_level(run_verify(out_dir, "content"), "manifest")
+    assert files_named(level.problems) == {entry}, level.problems
+    with pytest.raises(FoldckptError, match=f"{out_dir / entry}: "):
+        open_fold_set(out_dir)
+    allowed = run_foldckpt("verify", out_dir, "--json", "--allow-extra", "nothing-*", "--allow-extra", f"{entry[:3]}*")
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    report = json.loads(allowed.stdout)
+    assert report["allow_extra"] == {"patterns": ["nothing-*", f"{entry[:3]}*"], "allowed": [entry]}
+    printed = run_foldckpt("verify", out_dir, "--quiet", "--allow-extra", f"{entry[:3]}*")
+    assert printed.returncode == 0 and f"allowed by --allow-extra '{entry[:3]}*': {entry}" in printed.stdout, printed.stdout
+    monkeypatch.setenv("FOLDCKPT_ALLOW_EXTRA", f"nothing-*:{entry[:3]}*")
+    assert open_fold_set(out_dir).manifest.file_sha256 == pinned
+
+
+def test_a_conversions_resume_journal_fails_verify_whatever_is_allowed(converted: Converted) -> None:
+    """OUT_DIR/.foldckpt-journal.json beside a manifest: a convert that did not finish there (killed
+    after writing the manifest, or repairing the directory); no allow-list lets it through."""
+    _, out_dir = converted("deepseek_v3")
+    (out_dir / ".foldckpt-journal.json").write_text("{}")
+    run = run_foldckpt("verify", out_dir, "--quiet", "--allow-extra", "*")
+    assert run.returncode == 1, run.stdout
+    assert "- .foldckpt-journal.json: the resume journal of a convert that has not finished" in run.stdout, run.stdout
+
+
+def test_a_symlink_where_the_manifest_needs_a_folder_fails_verify(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    """A folder of listed files (``original/``) replaced by a symlink to a copy elsewhere: the files
+    still hash right, but what serves is no longer OUT_DIR's own."""
+    from foldckpt.convert import convert
+
+    model = make_model("deepseek_v3")
+    (model / "original").mkdir()
+    shutil.copyfile(model / "config.json", model / "original" / "params.json")
+    out_dir = convert(model, tmp_path / "out", ConvertOptions(progress=False, link="copy")).out_dir
+    assert run_verify(out_dir, "content").ok
+    shutil.move(out_dir / "original", tmp_path / "elsewhere")
+    (out_dir / "original").symlink_to(tmp_path / "elsewhere")
+    level = failed_level(run_verify(out_dir, "content"), "manifest")
+    assert [(p.file, p.what.split(";")[0]) for p in level.problems] == [
+        ("original", f"a symlink (to {tmp_path / 'elsewhere'}) where convert makes a folder")
+    ]
+
+
 @pytest.mark.parametrize("victim", [SIDECARS[1], "model-00002-of-00003.safetensors", "config.json"])
 def test_a_truncated_file_fails_the_manifest_level(converted: Converted, victim: str) -> None:
     _, out_dir = converted("kimi_k3", SMALL_SHARDS)
