@@ -12,6 +12,7 @@ sent at start-up. :func:`import_torch` is how foldckpt's commands import torch.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from types import FrameType, ModuleType
@@ -38,11 +39,23 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     raise Interrupted(signum, signal.Signals(signum).name)
 
 
+def passive_openmp() -> None:
+    """Have torch's OpenMP threads sleep, not spin, once a parallel region ends (unless
+    ``OMP_WAIT_POLICY`` says otherwise; only effective before torch is first imported). Why:
+    spinning threads take the cycles that foldckpt's other threads (convert's hashing, verify's
+    Python between a layer's many small GEMMs) and every other process need: on a 16-core host a
+    16-layer conversion burned 3.8 times the CPU with spinning (docs/bench/convert.json), and on a
+    loaded 2-core machine ``verify --deep`` of the demo ran ten times and more slower."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def import_torch() -> ModuleType:
-    """``import torch``, with a SIGINT or SIGTERM that arrives meanwhile raised once it is done."""
+    """``import torch`` (OpenMP threads passive: :func:`passive_openmp`), with a SIGINT or SIGTERM
+    that arrives meanwhile raised once it is done."""
     global _deferring
     if "torch" in sys.modules and not getattr(sys.modules["torch"].__spec__, "_initializing", False):
         return sys.modules["torch"]
+    passive_openmp()
     _deferring += 1
     try:
         import torch

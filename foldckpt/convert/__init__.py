@@ -18,12 +18,6 @@ The manifest is written last; its presence means "finished".
 
 from __future__ import annotations
 
-import os
-
-# OpenMP threads that spin after every parallel region take the cycles the hashing threads need
-# (measured in docs/bench/convert.json). Only effective before torch is first imported (as in the
-# CLI, which imports this package first); an explicit setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -84,9 +78,13 @@ from foldckpt.io.files import (
 )
 from foldckpt.model.hub import ModelSource
 from foldckpt.options import ConvertOptions
+from foldckpt.signals import passive_openmp
 
 if TYPE_CHECKING:
     pass
+
+# Here too, not only in import_torch: a library caller may import torch itself after this package.
+passive_openmp()
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "ConvertOptions", "ConvertResult", "LayerOutcome", "convert"]
 

@@ -176,6 +176,25 @@ def test_deep_sample_recomputes_that_many_layers(converted: Converted, sample: i
     assert "every element within one rounding of fp64" in report.levels[-1].summary
 
 
+@pytest.mark.parametrize("command", ["verify", "convert"])
+def test_torch_s_openmp_threads_sleep_between_the_small_gemms_of_deep_and_convert(
+    converted: Converted, tmp_path: Path, command: str
+) -> None:
+    """OpenMP's default spins each thread after a parallel region (libgomp: GOMP_SPINCOUNT
+    300000): ``verify --deep``, whose many small GEMMs each end one, ran ten times and more slower
+    on a loaded 2-core machine than with one thread; convert already asked for passive threads,
+    verify did not. libgomp reports the setting it runs with (OMP_DISPLAY_ENV)."""
+    model, out_dir = converted("kimi_k3")
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OMP_", "GOMP_"))}
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"
+    args = ["verify", out_dir, "--deep", "-q"] if command == "verify" else ["convert", model, tmp_path / "again", "-q"]
+    run = run_foldckpt(*args, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    if "GOMP_SPINCOUNT" not in run.stderr:
+        pytest.skip("torch's OpenMP runtime is not libgomp: it does not report its wait policy")
+    assert "GOMP_SPINCOUNT = '0'" in run.stderr, run.stderr
+
+
 # ------------------------------------------------------------------------------------------------
 # sidecars
 
