@@ -349,6 +349,11 @@ BLOCKS = [
         "scripts/setup_venv.sh --vllm",
         not_run(NEEDS_SETUP + "; the server: tests/e2e/test_openai_server.py"),
     ),
+    Claim(
+        "docs/serving.md",
+        "export VLLM_CPU_KVCACHE_SPACE=1",
+        not_run(NEEDS_SETUP + "; run as written by tests/e2e/test_cpu_recipe.py"),
+    ),
     Claim("docs/serving.md", "# vLLM 0.33.x or 0.34.x for ROCm", not_run("needs Kimi-K3 and ROCm GPUs")),
     Claim("docs/kernels.md", "python -m foldckpt.tune", not_run("needs a CUDA GPU and Triton")),
     Claim("docs/development.md", "foldckpt/", module_map),
