@@ -402,7 +402,7 @@ def underflow_suspects(values: torch.Tensor, g: Geometry) -> list[int]:
     group, a few percent of the fold's time): a sample of heads misses one head whose weights are
     orders smaller than its neighbours'. An fp8 fold is not screened: each row is scaled to
     e4m3's range by its own largest value, and a scale below fp32's normal range is refused
-    (:func:`foldckpt.layer.check_fold_scales`)."""
+    (:func:`foldckpt.convert.layer.check_fold_scales`)."""
     if values.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return []
     floor = underflow_floor(values.dtype, g.qk_nope_head_dim)

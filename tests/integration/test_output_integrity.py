@@ -281,9 +281,9 @@ def test_verify_deep_judges_each_head_against_the_tolerance(tmp_path: Path, monk
     check, as an older foldckpt did): each of its elements is one rounding of the fp64 value, but
     the head's subnormal ql_nope rows are 5e-3 off, five times fp16's tolerance; the error pooled
     over all heads hid it and verify --deep passed."""
-    import foldckpt.layer
+    import foldckpt.convert.layer
 
-    monkeypatch.setattr(foldckpt.layer, "check_fold_accuracy", lambda *a: None)
+    monkeypatch.setattr(foldckpt.convert.layer, "check_fold_accuracy", lambda *a: None)
     model = one_head_scaled_model(tmp_path, 1e-4, torch.bfloat16)
     convert(model, tmp_path / "out", ConvertOptions(fold_dtype="float16", progress=False))
     run = verify_cli(tmp_path / "out", "--deep")
