@@ -32,7 +32,7 @@ RECIPE_TIMEOUT_S = 420
 
 def recipe() -> str:
     """The serving block of the CPU recipe (the one that starts the server)."""
-    section = (REPO / "docs" / "serving.md").read_text().split(HEADING, 1)[1].split("\n## ", 1)[0]
+    section = (REPO / "docs/serving.md").read_text().split(HEADING, 1)[1].split("\n## ", 1)[0]
     blocks = [block.split("\n", 1)[1] for block in section.split("```")[1::2] if block.startswith("bash")]
     (block,) = [block for block in blocks if "api_server" in block]
     return block
