@@ -3,13 +3,12 @@
 Why: convert reads every source byte once (to hash it) and writes every fold byte once. Through
 the page cache each of those bytes also costs a kernel copy and a cache page that must be
 allocated, filled, written back and reclaimed, work that competes with sha256 and the fold for the
-cores. Measured on this project's 2-core test VM (1 GB cold read, 2.7 GB write + fsync): a buffered
-read costs 1.1-1.5 core-s per GB against 0.13-0.15 direct, a buffered write 0.5-4.4 core-s per GB
-against 0.2-0.5 direct; hashing a 5.7 GB checkpoint while writing its 2.7 GB of folds took 17-19
-core-s of kernel time buffered and 1.6-2.0 direct. Terabyte checkpoints do not fit the page cache
-anyway, so caching what a conversion (or ``verify``) streams buys nothing. From huge pages
-(:func:`aligned_buffer`) a direct read also keeps the disk busier than plain reads with prefetch:
-see ``hashing.hash_job``'s ``bypass_cache``.
+cores: a buffered read or write costs several times the CPU of a direct one, and on few cores
+that CPU is wall time (the I/O floor measured both ways: ``read_plain_s``/``read_direct_s`` and
+``write_plain_s``/``write_direct_s`` in each record of ``docs/bench/convert*.json``). Terabyte
+checkpoints do not fit the page cache anyway, so caching what a conversion (or ``verify``)
+streams buys nothing. From huge pages (:func:`aligned_buffer`) a direct read also keeps the disk
+busier than plain reads with prefetch: see ``hashing.hash_job``'s ``bypass_cache``.
 
 A file whose bytes are already in the page cache is read through it (a memory copy beats the
 disk), and a filesystem that refuses ``O_DIRECT`` (at open or at the first transfer: tmpfs on
@@ -33,10 +32,9 @@ from contextlib import contextmanager
 # logical block size of common devices (4Kn disks; 512-byte devices accept it too).
 ALIGN = 4096
 # One direct read or write: large enough that the per-transfer latency is amortised, and no larger
-# than the largest request common devices take (4 MiB for this project's virtio disks: an 8 MiB
-# transfer went as two requests anyway). Each hashing pass holds two such buffers, so their size
-# is memory: a 16-core host's 15 concurrent passes held 122 MB of 8 MiB ones; with 4 MiB a 16-layer
-# Kimi-K3 conversion on the 2-core AMD VM peaked 35 MB lower in the same time (3 runs each).
+# than the largest request common devices take (4 MiB for this project's virtio disks: a larger
+# transfer goes as several requests anyway). Each hashing pass holds two such buffers, so their
+# size is memory, multiplied by the passes that run at once (``hashing.default_workers``).
 DIRECT_CHUNK = 4 * 1024 * 1024
 # x86-64's huge page (transparent huge pages back aligned runs of this size); see aligned_buffer.
 HUGE_PAGE = 2 * 1024 * 1024
@@ -70,15 +68,13 @@ def aligned_buffer(nbytes: int) -> memoryview:
     Huge pages: a block device takes a bounded number of memory segments per request (254 for this
     project's VM's virtio disk), one per physically contiguous run, so a direct transfer from 4 KiB
     pages is cut into requests of about 1 MiB, and from 2 MiB pages goes in requests of up to the
-    device's 4 MiB. On that 2-core VM, direct reads of a cold 1.07 GB file into an 8 MiB buffer
-    took 0.75 s with 4 KiB pages and 0.30 s with 2 MiB ones, direct writes + fsync of 1 GB from a
-    170 MB buffer 0.60-0.68 s against 0.42-0.45 s. The first fill of a huge page zeroes 2 MiB at
-    once (a fresh 170 MB buffer: 0.2 s against 0.5 s, once: the buffers are reused).
+    device's 4 MiB: fewer, larger requests, so both cold direct reads and direct writes take less
+    time. The first fill of a huge page zeroes 2 MiB at once, cheaper than faulting in its 4 KiB
+    pages one by one (and paid once: the buffers are reused).
 
     Private, not shared: Python's default anonymous map is ``MAP_SHARED``, which the kernel backs
-    with shmem, whose first touch of each page costs more. On this project's 2-core VM, filling a
-    fresh 151 MB buffer took 128-135 ms shared and 73-85 ms private, and a 16-layer conversion
-    (about 1.3 GB of such buffers) took 0.9 core-s and 1 s of wall time less."""
+    with shmem, whose first touch of each page costs more, and a conversion fills a buffer of
+    fold inputs per layer."""
     if not nbytes:
         return memoryview(bytearray())
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
@@ -96,10 +92,10 @@ class BufferPool:
     """Page-aligned buffers (:func:`aligned_buffer`) handed out and given back, reused by size.
 
     Why: the first write to each page of a fresh buffer costs a page fault and the kernel's zeroing
-    of the page. On this project's 2-core VM, filling a fresh 82 MB buffer (a Kimi-K3 layer's fold
-    inputs) took 69-87 ms and a reused one 7 ms, and a 16-layer conversion fills 1.3 GB of fold
-    inputs and 350 MB of read buffers. A buffer comes back holding what it last held: every user
-    overwrites what it reads. Memory: as many buffers as were out at once, until the pool goes.
+    of the page, far more than refilling a buffer already faulted in, and a conversion fills a
+    buffer of fold inputs per layer (82 MB for Kimi-K3) and read buffers per pass. A buffer comes
+    back holding what it last held: every user overwrites what it reads. Memory: as many buffers
+    as were out at once, until the pool goes.
     """
 
     def __init__(self) -> None:
@@ -177,9 +173,8 @@ class DiskPriority:
     append) runs, background reads (passes over files no fold waits for) hold their next transfer.
 
     Why: the disk serves requests in turn, and a pass with read-ahead keeps two in flight against
-    the append's one, so four background passes took most of the disk from the sidecar writes
-    while they ran (a 16-layer conversion's folds waited about 0.5 s per layer for the write
-    before last; after the passes ended, a layer took 0.62 s instead of 1.4). Background reads
+    the append's one, so a few background passes take most of the disk from the sidecar writes
+    while they run, and each layer's fold waits for the write before last. Background reads
     have slack until the end of the run: nothing waits for them but the manifest.
     """
 
@@ -268,8 +263,8 @@ class DurableAppender:
     write; the file is cut back to its exact size after each. ``offset`` is always the durable size
     of the file, ``end`` the size written. Bytes go through an aligned staging buffer, except the
     whole blocks of a page-aligned part that starts on a block boundary of the file: those are
-    written straight from the caller's memory (a fold buffer, :func:`aligned_buffer`): on this
-    project's 2-core VM the appends of 8 Kimi-K3 folds took 0.25 core-s staged, 0.035 straight.
+    written straight from the caller's memory (a fold buffer, :func:`aligned_buffer`), which saves
+    the copy of every fold byte into the staging buffer.
     ``staged`` counts the bytes copied.
     """
 

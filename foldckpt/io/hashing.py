@@ -5,11 +5,12 @@ Three things live here, and nowhere else:
 * **which digest** covers what. Whole files (the sources, the sidecar headers, the manifest) get
   sha256, what ``sha256sum`` prints and the Hugging Face Hub lists for every weight file, so that
   users can check them with tools of their own. Tensor bytes (each head block of a fold, each source
-  tensor a fold was computed from) get BLAKE3 (:func:`tensor_digest`), about four times cheaper per
-  byte on the CPU: at Kimi-K3 scale a conversion digests some 4 GB of them (the folds, and their
-  inputs beside the sha256 of the files that hold them), and every serving rank digests its rows
-  and the inputs beside them at load. Measured on this project's 2-core VM (one core, 1 MiB
-  updates): hashlib sha256 1.34 GiB/s with the CPU's SHA extensions, BLAKE3 5.5 GiB/s with AVX-512;
+  tensor a fold was computed from) get BLAKE3 (:func:`tensor_digest`), several times cheaper per
+  byte on the CPU (it hashes many chunks at once in SIMD lanes, where sha256 is one serial chain;
+  the rates are ``sha256_bytes_per_s_per_core`` and ``tensor_digest_bytes_per_s_per_core`` under
+  ``projection_full_kimi_k3`` in ``docs/bench/convert*.json``): at Kimi-K3 scale a conversion
+  digests some 4 GB of them (the folds, and their inputs beside the sha256 of the files that hold
+  them), and every serving rank digests its rows and the inputs beside them at load;
 * the **per-head hash tree** of a fold tensor. The fold is head-major (``[H*(L+R), Lq]``, rows head
   by head; ARCHITECTURE.md "Layout"), and a tensor-parallel rank owns a contiguous run of whole
   heads for any TP size that divides H. So the leaves are one digest per head block (the smallest
@@ -46,13 +47,12 @@ TENSOR_DIGEST_RULE = "BLAKE3 (32-byte output, hex) of exactly the tensor's store
 LEAF_RULE = "BLAKE3 of each head's rows [h*(L+R), (h+1)*(L+R)) of the stored tensor bytes"
 RANK_RULE = "BLAKE3 of the concatenated 32-byte leaf digests of the rank's heads, in head order"
 
-# CPU per byte of a tensor digest against sha256's (one core of this project's 2-core VM: BLAKE3
-# 5.5 GiB/s with AVX-512, sha256 1.34 with the SHA extensions): what orders verify's jobs.
+# CPU per byte of a tensor digest against sha256's (the ratio of ``sha256_bytes_per_s_per_core`` to
+# ``tensor_digest_bytes_per_s_per_core`` in docs/bench/convert*.json): what orders verify's jobs.
 _TENSOR_DIGEST_COST = 0.25
 
 # Asked of the kernel ahead of the hashing (FADV_WILLNEED): the disk stays busy while the thread
-# hashes. Measured cold on this project's 2-core test VM: read + prefetch 1.4-1.9 GB/s, plain 1-8
-# MiB reads 0.9-1.5, a memory map 0.8-1.5.
+# hashes, where plain reads or a memory map leave it idle between the thread's requests.
 _PREFETCH = 64 * 1024 * 1024
 _RESIDENCY_PROBES = 16
 
@@ -219,7 +219,7 @@ def all_cached(paths: list[Path]) -> bool:
 def default_workers(cached: bool = False) -> int:
     """Hashing threads: one per core when every file is in the page cache (sha256 is the only
     work), else two per core, at most 32, so that a core hashes while another thread waits for
-    the disk. Measured on 2 cores: cold, 4 threads beat 2 by 10-25%; warm, 2 beat 4 by ~5%."""
+    the disk; with every file cached, threads beyond the cores only contend for them."""
     cores = os.cpu_count() or 1
     return cores if cached else min(32, 2 * cores)
 
@@ -278,8 +278,8 @@ def _pieces(
     those bytes, each piece while it is in the core's cache), whole elsewhere. Why whole: each
     piece costs the pass a trip through Python (this loop, its progress callback) and so a take of
     the GIL, which the fold's thread and torch's import (convert's first seconds) hold most of the
-    time; the sources of a 16-layer Kimi-K3 benchmark conversion (6.1 GB) are some 5,800 pieces
-    of 1 MiB, and about 1,900 with whole direct transfers (the 1.3 GB of fold inputs stay cut)."""
+    time. A whole direct transfer (``direct_io.DIRECT_CHUNK``) is one trip where ``HASH_BUFFER`` pieces are
+    several; only the bytes of the fold inputs stay cut."""
     for start, transfer in transfers:
         end = start + len(transfer)
         if not any(lo < end and hi > start for lo, hi in bounds):
@@ -318,10 +318,10 @@ def hash_job(
     Returns (whole-file digest or None, range digests). ``progress`` may raise to abandon the pass.
 
     ``bypass_cache``: stream a large file that is not in the page cache with direct I/O (convert's
-    passes and ``verify --level content``): the page cache's copies cost 1.1-1.5 core-s per GB,
-    direct reads 0.13-0.15, and from huge pages (:func:`~foldckpt.io.direct_io.aligned_buffer`) they
-    keep the disk busier than plain reads with prefetch: ``verify --level content`` of a 16-layer
-    conversion (8.3 GB, cold, 2 cores) took 8.6-9.0 s plain and 3.4-3.5 s direct, alternated.
+    passes and ``verify --level content``): direct reads skip the page cache's copy of every byte,
+    and from huge pages (:func:`~foldckpt.io.direct_io.aligned_buffer`) they keep the disk busier
+    than plain reads with prefetch (``results.cold`` in ``docs/bench/verify.json``:
+    ``foldckpt_verify_content`` against ``sequential_read``).
     Without it, plain reads (:func:`~foldckpt.format.consistency.heads_intact`: a few head blocks of a
     sidecar, for the serving loader and convert's resume checks). ``pool`` lends the direct reads
     their buffers (one pool for a run's reads: no fresh buffer per file)."""
