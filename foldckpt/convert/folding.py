@@ -141,13 +141,12 @@ def hash_and_fold(
 @contextmanager
 def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off (if it was on) while torch is imported and the layers
-    are folded, the critical path of a conversion. The import makes some 250k objects and no
-    garbage: its own collections cost 8% of it (1.69-1.79 s against 1.54-1.71 s on this project's
-    2-core VM), and afterwards every collection that reaches an older generation walks them all (a
-    16-layer conversion collected 20 times for 0.24 s, in the fold's thread, holding the GIL that
-    the hashing threads need between chunks). The folds leave little cyclic garbage (some 10k
-    objects in 16 layers), collected once the collector is back on, after the last pass: the
-    first collection then walks torch's objects once (0.12 s), with no other thread left to stall."""
+    are folded, the critical path of a conversion. The import makes hundreds of thousands of
+    objects and no garbage, so its own collections are pure cost, and afterwards every collection
+    that reaches an older generation walks them all, in the fold's thread, holding the GIL that the
+    hashing threads need between chunks. The folds leave little cyclic garbage, collected once the
+    collector is back on, after the last pass: the first collection then walks torch's objects
+    once, with no other thread left to stall."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -224,9 +224,8 @@ class SourceReads:
         Why a GPU fold calls this itself, as soon as its inputs are on the GPU: then the passes that
         this lets start reuse those buffers. When taking the next layer released them, those passes
         had started before and made new ones, and before its first layer the passes read two
-        layers ahead, not one: a GPU conversion held two layers' inputs more than it needs (about
-        110 MB of Kimi-K3's, whose shards each hold one layer's kv_b_proj and the next one's
-        q_b_proj)."""
+        layers ahead, not one: a GPU conversion held two layers' inputs more than it needs (a
+        Kimi-K3 shard holds one layer's kv_b_proj and the next one's q_b_proj)."""
         for buffer in self._lent:
             self.pool.put(buffer)
         self._lent.clear()
@@ -288,11 +287,11 @@ def _yield_to_the_fold() -> None:
     per thread; the direct-read thread it starts inherits it): such a pass has slack until the end
     of the run, and the fold is the critical path, so on a machine with few cores it should take
     the cycles the fold leaves, not slow every layer down. A pass that feeds the fold keeps its
-    priority: the fold waits for what it reads. Measured on this project's 2-core VM, 16 Kimi-K3
-    layers: with every pass niced, the fold waited 0.3-0.5 s in all for inputs that passes slowed
-    by its own GEMM had not read yet; with these passes only, not at all. (``SCHED_IDLE`` for
-    these passes left them to the end of the run, 1.2-1.9 s after the last fold against 0.1-0.4 s
-    niced, and would yield to every other process of a shared machine.)"""
+    priority: the fold waits for what it reads, and niced, such a pass is slowed by the fold's own
+    GEMM until the fold waits for it (what ``stage_busy_s.fold_waiting_for_inputs`` of each record
+    in ``docs/bench/convert*.json`` counts). (``SCHED_IDLE`` for these passes would leave them to
+    the end of the run, after the last fold, and yield to every other process of a shared
+    machine.)"""
     if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICENESS)
