@@ -22,8 +22,9 @@ and checks each head block against its leaf of the manifest's per-head hash tree
 value reaches the model: corrupted bytes never serve. It also hashes the layer's fold inputs
 (q_b_proj and kv_b_proj, as served beside the fold) against the manifest: a fold never serves
 beside weights it was not made from. That costs a read and a BLAKE3 of those tensors once per
-layer and rank (some 80 MB per Kimi-K3 layer in bf16, 2 GB for the model, under half a second of
-one core), against the minutes an engine takes to start.
+layer and rank (some 80 MB per Kimi-K3 layer in bf16, 2 GB for the model: a fraction of a second
+of one core at ``tensor_digest_bytes_per_s_per_core`` of docs/bench/convert*.json), against the
+minutes an engine takes to start.
 """
 
 from __future__ import annotations

@@ -88,7 +88,8 @@ def settle_clocks(device: torch.device, seconds: float = 0.2) -> None:
     """Keep the GPU busy for ``seconds`` so that what is timed next does not meet idle clocks.
 
     An H200 idles at a few hundred MHz; after host-side set-up (weights, fp64 references) the
-    first graph replays of a point ran 5-10% slow, enough to fake a routing loss.
+    first graph replays of a point run slow while the clocks ramp up, enough to fake a routing
+    loss.
     """
     a = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
     deadline = time.monotonic() + seconds

@@ -1,9 +1,10 @@
 """Triton kernel for the decode fold GEMM ``y = x · Wᵀ`` at small M (1..256 tokens).
 
 Why a kernel of our own: at decode the fold GEMM is a stream over W (21 MB for Kimi-K3 at TP8)
-with almost no arithmetic, so its time is set by how fast 132 SMs pull W from HBM, not by FLOPs
-(cuBLAS took 8.1 µs there at M <= 14, against a 5.1 µs copy-bandwidth floor). This kernel is
-shaped for streaming:
+with almost no arithmetic, so its time is set by how fast 132 SMs pull W from HBM, not by FLOPs,
+and cuBLAS, shaped for arithmetic, stays well above the copy-bandwidth floor there
+(``folded_torch_us`` against ``floor_us`` in docs/bench/decode_nvidia_h200.json's ``records``).
+This kernel is shaped for streaming:
 
 - swap-AB: each program computes ``acc[BLOCK_N, BLOCK_M] = W_tile · x_tileᵀ``, so the large N
   dimension feeds the MMA's M side (wgmma wants 64 rows) and the token count is the MMA's
@@ -23,16 +24,19 @@ shaped for streaming:
   waits for it as usual.
 - optional RoPE epilogue (``fold_query``): the tiles holding a head's last R rows rotate their
   (2i, 2i+1) row pairs by the tokens' cos/sin before the store, and the tile holding head 0's
-  first rope row also writes the rotated key. The H200 tuner keeps it for the M<=16 buckets
-  (8.1 vs 9.4 µs against GEMM + RoPE kernel at Kimi-K3 TP8) and drops it above, where the pair
-  shuffle of a 32/64-token accumulator costs more than the launch it saves.
+  first rope row also writes the rotated key. The tuner keeps it where it beats GEMM + RoPE
+  kernel (``rope_epilogue`` in the tables of configs/): at the smallest M, where the launch it
+  saves is a large share of the step, and not above, where the pair shuffle of a 32/64-token
+  accumulator costs more than the launch it saves.
 
-What the H200 search found (docs/bench/tune_nvidia_h200.*): split-K always loses, by about 2 µs at
-2 splits and up to 8 µs at 12, which is the latency of the store/atomic/reload reduction on a
-~7 µs kernel; ragged rows gain nothing measurable, so HBM, not per-SM streaming, is the limit.
-The winners are whole 64-row programs (108 for Kimi-K3 TP8) with 4-6 stages of 16 KB. They sit
-about 1.2 µs above floor + empty-kernel cost: first-load latency and the tail. PDL takes 0.2-0.3 µs
-off that (paired runs, every shape); an L2 bulk prefetch of W issued before the wait cost 2.8 µs.
+What the H200 search found (``search`` in docs/bench/tune_nvidia_h200.json, and its .log):
+split-K always loses, more with more splits: the store/atomic/reload reduction adds latency of
+the order of the whole kernel's; ragged rows gain nothing measurable, so HBM, not per-SM
+streaming, is the limit. The winners are whole 64-row programs (108 for Kimi-K3 TP8) with 4-6
+stages of 16 KB. What they keep above floor + empty-kernel cost (``floor_us`` of the records and
+``meta.empty_kernel_us`` in docs/bench/decode_nvidia_h200.json) is first-load latency and the
+tail. PDL takes part of that off (paired runs, every shape); an L2 bulk prefetch of W issued
+before the wait cost more than it saved.
 
 The fp8 fold (``scale`` given, W float8_e4m3fn + an fp32 scale per row) runs the same two kernels
 weight-only: W is streamed as e4m3 (half the bytes), converted in registers (to fp16 with
@@ -41,15 +45,16 @@ goes through fp16 and fp32), the MMA runs against x unquantised (with ``mma_f16`
 fp16 in the kernel: exact for |x| in [2^-14, 65504], where RMS-normalised q_c lies), and the row
 scale multiplies the fp32 accumulator once in the epilogue (before RoPE and the split-K store).
 On ROCm gfx950 the same kernels serve (e4m3fn is the OCP format there; no PDL/TMA configs).
-What the H200 fp8 search found (docs/bench/tune_nvidia_h200.*, Kimi-K3 TP8 N=6912): the fp16 MMA
-beats the bf16 one by ~3.4 us (8.8 vs 12.2 at M=16: the bf16 path converts through fp32); the
-winner at M <= 16 is a 32-row mma.sync tile, BLOCK_K=256, 5 stages, PDL: 6.5-6.9 us against a
-2.5 us floor and 7.5-7.8 us for the bf16 fold; at M=1 the skinny kernel (5.8 us). Triton lowers
+What the H200 fp8 search found (``fp8_search`` in docs/bench/tune_nvidia_h200.json, Kimi-K3 TP8
+N=6912): the fp16 MMA (``mma_f16``) beats the bf16 one, whose path converts through fp32; the
+winner at M <= 16 is a 32-row mma.sync tile, BLOCK_K=256, 5 stages, PDL, faster than the bf16
+fold though still above its floor (``folded_fp8_us``, ``fp8_floor_us`` and ``folded_triton_us``
+of the records in docs/bench/decode_nvidia_h200.json); at M=1 the skinny kernel. Triton lowers
 the e4m3 operand through shared memory straight into the MMA register layout (2-byte shared
 loads on the wgmma path), and with one 4-warp program per SM the convert latency is exposed:
-the search's deeper stages, 8 warps, split-K (2-4) and ragged rows all lost at M <= 16. Packing
-the conversion in inline PTX was slower in the skinny kernel (6.7 vs 5.7 us at M=1: an extra
-shared-memory relayout) and compiled to 8x the byte shuffles in the tiled one, so neither uses it.
+the search's deeper stages, 8 warps, split-K and ragged rows all lost at M <= 16. Packing the
+conversion in inline PTX was slower in the skinny kernel (an extra shared-memory relayout) and
+compiled to several times the byte shuffles in the tiled one, so neither uses it.
 
 The workspace and counters live per device and are shared by all calls, so calls on one device
 must be stream-ordered with respect to each other (one stream at a time, as in a vLLM worker).
@@ -367,8 +372,8 @@ def launch_fold_gemm(
 # memory, no pipeline prologue). What vLLM's own H200 skinny kernels for q_b_proj do at M <= 16
 # (CuTe DSL at M=1-2, dsv3_fused_a at M=3-8), which need vLLM; the tuner and the decode benchmark
 # use it for the unfolded baseline. On the fold, ``fold_gemm`` launches it in the M buckets where
-# the tuner measured it faster than the bucket's tiled/torch backend (backend = "skinny"; on the
-# H200 Kimi-K3 TP8 at M = 1 and TP16 at M = 1-2). Without MMA its arithmetic on the CUDA
+# the tuner measured it faster than the bucket's tiled/torch backend (backend = "skinny" in the
+# tables of configs/). Without MMA its arithmetic on the CUDA
 # cores grows with M, so it loses to the tiled kernel from a few tokens on.
 @triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
 def _skinny_gemm_kernel(
