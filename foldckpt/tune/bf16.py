@@ -17,10 +17,11 @@ from foldckpt.tune.space import SearchSpace
 
 __all__ = ["BF16", "candidate_configs", "launch_variants", "skinny_candidates"]
 
-# Split-K lost everywhere in the first H200 search (the latency of the in-kernel reduction); 2 stays
-# in the grid so each table re-checks that. The q_b_proj weights have a third of the fold's rows
-# (36 whole 64-row programs at Kimi-K3 TP8 on 132 SMs), so their search also tries 4 splits and
-# programs of down to a quarter tile of rows.
+# Split-K lost everywhere in the first H200 search (the latency of the in-kernel reduction: the
+# ``split_k`` > 1 entries of ``search`` in docs/bench/tune_nvidia_h200.json); 2 stays in the grid
+# so each table re-checks that. The q_b_proj weights have a third of the fold's rows (36 whole
+# 64-row programs at Kimi-K3 TP8 on 132 SMs), so their search also tries 4 splits and programs of
+# down to a quarter tile of rows.
 SPLITS = (1, 2)
 Q_B_PROJ_SPLITS = (1, 2, 4)
 
