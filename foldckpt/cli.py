@@ -449,8 +449,9 @@ def _write_traceback() -> str:
 
 def _run(args: list[str]) -> Any:
     """The command, then the garbage collector frozen: all that follows is output and exit, and the
-    interpreter's teardown would otherwise collect every object torch's import made (once a
-    command has imported torch, exiting took 0.5-0.8 s on this project's 2-core VM, 0.2 s frozen)."""
+    interpreter's teardown would otherwise collect every object torch's import made, hundreds of
+    thousands once a command has imported torch, which makes exiting a large share of a short
+    command's time."""
     try:
         return cli.main(args=args, prog_name="foldckpt", standalone_mode=False)
     finally:

@@ -43,9 +43,9 @@ def passive_openmp() -> None:
     """Have torch's OpenMP threads sleep, not spin, once a parallel region ends (unless
     ``OMP_WAIT_POLICY`` says otherwise; only effective before torch is first imported). Why:
     spinning threads take the cycles that foldckpt's other threads (convert's hashing, verify's
-    Python between a layer's many small GEMMs) and every other process need: on a 16-core host a
-    16-layer conversion burned 3.8 times the CPU with spinning (docs/bench/convert.json), and on a
-    loaded 2-core machine ``verify --deep`` of the demo ran ten times and more slower."""
+    Python between a layer's many small GEMMs) and every other process need, for no work: on a
+    many-core host a conversion burns several times the CPU it needs, and on a loaded machine with
+    fewer cores than threads a spinning thread holds the core the thread it waits for needs."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
