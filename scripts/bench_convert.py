@@ -51,7 +51,7 @@ _SETTLE_S = 5.0
 
 # The command users run, `foldckpt convert ... --json` (its own exit included: the CLI freezes the
 # collector before the interpreter's teardown, which a bare convert() call left to collect every
-# object torch made, 0.4-0.7 s of a 16-layer run's wall on this project's 2-core VM). Peak RSS is
+# object torch made, a visible share of a short run's wall). Peak RSS is
 # VmHWM, the high-water mark of this process's own address space, read at exit: ru_maxrss would
 # also count the bench parent's memory, which Linux carries across fork + exec.
 _CHILD = """
