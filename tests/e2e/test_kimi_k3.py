@@ -217,7 +217,7 @@ def test_tensor_parallel_ranks_load_and_check_their_heads(engine_dir: Path, k3_f
     run = _run(engine_dir, "k3-folded-fp32-tp2", k3_fp32_folded, "float32", LONG_PROMPTS, env=TP2_ENV,
                tensor_parallel_size=2)  # fmt: skip
     assert run.log.count("foldckpt: folded 2 MLA layers") == 2  # one line per worker
-    assert "(tp rank 0 of 2)" in run.log and "(tp rank 1 of 2)" in run.log
+    assert "(tp rank 0 of 2;" in run.log and "(tp rank 1 of 2;" in run.log
     rank1 = json.loads((engine_dir / "k3-folded-fp32-tp2.stats.rank1.json").read_text())
     for stats in (run.stats, rank1):
         assert stats is not None and stats["folded_decode_tokens"] == LONG_DECODE_TOKENS
