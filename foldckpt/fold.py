@@ -6,17 +6,16 @@ Per head h (P nope dims, R rope dims, L kv_lora_rank, Lq q_lora_rank)::
 
 with W_UK[h] = kv_b_proj rows [h*(P+V), h*(P+V)+P) and W_qb = q_b_proj rows [h*(P+R), (h+1)*(P+R)).
 Then ``x · W_fold[h]ᵀ = [ (x · W_qb_nope[h]ᵀ) · W_UK[h] | x · W_qb_pe[h]ᵀ ]``, the absorbed MQA
-query. The product is accumulated in fp32 and rounded once to the output dtype; fp64 is used only
-as the reference the error statistics are measured against.
+query. Each stored element is the exact value rounded once to the output dtype, whatever computes
+it (:mod:`foldckpt.rounding`): the same sources give the same bytes on any CPU or GPU. fp64 is also
+the reference the error statistics are measured against.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +24,7 @@ from foldckpt.defaults import nan_last
 from foldckpt.errors import FoldckptError
 from foldckpt.io.files import json_safe
 from foldckpt.model.geometry import Geometry
+from foldckpt.rounding import round_exact_products_into, workspace_buffer
 
 # OCP float8_e4m3fn's largest finite value.
 FP8_MAX = 448.0
@@ -50,7 +50,10 @@ _UNDERFLOW_SHARE = 1 / 8
 def dequantize_fp8_blocks(
     weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str
 ) -> torch.Tensor:
-    """fp8 e4m3 weight x per-block ``weight_scale_inv`` -> fp32 (DeepSeek-V3 / Kimi-K2 format)."""
+    """fp8 e4m3 weight x per-block ``weight_scale_inv`` -> fp32 (DeepSeek-V3 / Kimi-K2 format): each
+    value is its e4m3 value (exact in fp32) times its block's fp32 scale, rounded once to fp32 (one
+    IEEE multiplication, done on the CPU). That defines the fold's inputs exactly, so its bytes are
+    reproducible from fp8 sources too."""
     rows, cols = weight.shape
     expected = (-(-rows // block[0]), -(-cols // block[1]))
     if tuple(scale_inv.shape) != expected:
@@ -77,103 +80,40 @@ def _head_chunks(num_heads: int) -> Iterator[slice]:
     return (slice(start, min(start + _HEADS_PER_CHUNK, num_heads)) for start in range(0, num_heads, _HEADS_PER_CHUNK))
 
 
-def fold_chunks(
-    q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, device: torch.device | str = "cpu"
-) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
-    """The exact fold, ``_HEADS_PER_CHUNK`` heads at a time: ``(heads, ql_nope rows [n, L, Lq] fp32 on
-    device (valid until the next chunk), q_pe rows [n, R, Lq] as stored in q_b_proj)``. Every stored
-    fold dtype is one rounding of these values, so the fp32 working set is one chunk of heads
-    whatever H is, and a GPU runs the same algorithm (fp32 inputs and accumulation; TF32 is
-    switched off for the duration). A GPU gets each input in one copy (82 MB for a Kimi-K3 layer),
-    not one per chunk: 24 small synchronous copies a layer were most of a GPU fold's time."""
+def _exact_nope_rows(
+    q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, device: torch.device | str
+) -> Iterator[tuple[slice, Callable[[torch.Tensor], None]]]:
+    """The heads of one layer, ``_HEADS_PER_CHUNK`` at a time, each with ``write(rows)``, which writes
+    the chunk's ql_nope rows ``[n, L, Lq]`` (W_UKᵀ·W_qb_nope per head) into ``rows``: every element
+    the exact value rounded once to ``rows``' dtype (:mod:`foldckpt.rounding`), computed on ``device``. A
+    GPU gets each input in one copy (82 MB for a Kimi-K3 layer), not one per chunk: 24 small
+    synchronous copies a layer were most of a GPU fold's time."""
     device = torch.device(device)
-    q_heads, kv_heads = _per_head(q_b, kv_b, g)
-    q_on_device, kv_on_device = q_heads, kv_heads
-    if device.type != "cpu":
-        q_on_device, kv_on_device = _per_head(q_b.to(device), kv_b.to(device), g)
+    q_heads, kv_heads = _per_head(q_b.to(device), kv_b.to(device), g)
     p = g.qk_nope_head_dim
-    product = _product_buffer((min(_HEADS_PER_CHUNK, g.num_heads), g.kv_lora_rank, g.q_lora_rank), device)
-    with _ieee_fp32_matmul(device):
-        for chunk in _head_chunks(g.num_heads):
-            # converted straight from the strided slices, W_UKᵀ a transposed view (the GEMM reads
-            # it as it is): dense copies first cost a fifth more of a CPU fold (one GEMM, the same bytes)
-            q_nope = q_on_device[chunk, :p].to(dtype=torch.float32)
-            w_uk_t = kv_on_device[chunk, :p].to(dtype=torch.float32).transpose(1, 2)  # [n, L, P]
-            out = product[: chunk.stop - chunk.start]
-            torch.bmm(w_uk_t, q_nope, out=out)
-            yield chunk, out, q_heads[chunk, p:]
+    workspace = _workspace(device)
+
+    def into(chunk: slice) -> Callable[[torch.Tensor], None]:
+        def write(rows: torch.Tensor) -> None:
+            round_exact_products_into(rows, kv_heads[chunk, :p], q_heads[chunk, :p], workspace)
+
+        return write
+
+    for chunk in _head_chunks(g.num_heads):
+        yield chunk, into(chunk)
 
 
-def _product_buffer(shape: tuple[int, int, int], device: torch.device) -> torch.Tensor:
-    """The fp32 product buffer of one head chunk (each chunk is valid until the next), kept by each
-    thread from layer to layer on the CPU. Why: a fresh one per layer is a new mapping to fault in
-    (fresh buffers per chunk slowed the CPU fold by half), and once one is freed glibc serves the
-    next from its heap, which keeps the pages: a 16-layer Kimi-K3 conversion peaked 25 MB higher.
-    On a GPU, torch's caching allocator reuses the memory anyway."""
+def _workspace(device: torch.device) -> dict[str, torch.Tensor]:
+    """The exact fold's per-head buffers (:func:`~foldckpt.rounding.round_exact_products_into`),
+    kept by each thread from layer to layer on the CPU. Why: fresh ones per layer are new mappings
+    to fault in, and once they are freed glibc serves the next from its heap, which keeps the pages
+    (a 16-layer Kimi-K3 conversion peaked 25 MB higher). On a GPU, torch's caching allocator reuses
+    the memory anyway."""
     if device.type != "cpu":
-        return torch.empty(shape, device=device)
-    if getattr(_workspaces, "product_shape", None) != shape:
-        _workspaces.product_shape = shape
-        _workspaces.product = torch.empty(shape)
-    return _workspaces.product
-
-
-@contextmanager
-def _ieee_fp32_matmul(device: torch.device) -> Iterator[None]:
-    if device.type != "cuda":
-        yield
-        return
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
-
-
-def onednn_bf16_fold(q_b: torch.Tensor, kv_b: torch.Tensor, out_dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether a CPU fold of bf16 weights into bf16 goes through oneDNN's bf16 GEMM, not through fp32
-    copies of its inputs (:func:`fold_chunks`): the same algorithm (each bf16 product is exact in
-    fp32, the sums are fp32 and the result is rounded once to bf16), faster only where the CPU
-    multiplies bf16 faster than fp32 (:func:`bf16_outpaces_fp32`), and only where ATen runs AVX-512
-    kernels, which oneDNN's bf16 matmul needs (elsewhere torch's own bf16 GEMM is 9x slower than
-    fp32). Conversion is CPU-bound on few cores, so the faster path is the one to take."""
-    return (
-        torch.device(device).type == "cpu"
-        and q_b.dtype == kv_b.dtype == out_dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.backends.mkldnn.enabled
-        and torch.backends.cpu.get_cpu_capability() == "AVX512"
-        and bf16_outpaces_fp32()
-    )
-
-
-@functools.cache
-def bf16_outpaces_fp32() -> bool:
-    """Whether this CPU multiplies bf16 matrices faster than fp32 ones: with AMX tiles, or with
-    AVX512-BF16 on an AMD core (Zen 4 and later: a bf16 dot product does twice the multiply-adds of
-    an fp32 FMA per cycle there). An Intel core with AVX512-BF16 but no AMX (Cooper Lake, or a
-    Sapphire Rapids VM whose hypervisor hides AMX, as this project's current 2-core VM) does as many
-    fp32 FMAs as bf16 products per cycle, and oneDNN's bf16 path costs more there. Measured per
-    Kimi-K3 layer (ms of CPU, 2 threads): that Intel VM 266-280 through oneDNN against 176-189 in
-    fp32; an Intel Xeon with AMX (the H200 host) 106-111 against 219-246; an AMD EPYC VM
-    (AVX512-BF16) 152 against 285 for the fp32 path of the time (which made dense copies first,
-    about 35 ms more)."""
-    if getattr(torch.cpu, "_is_amx_tile_supported", bool)():
-        return True
-    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", bool)()) and _cpu_vendor() == "AuthenticAMD"
-
-
-def _cpu_vendor() -> str:
-    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``) where Linux tells it, else ''."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if line.startswith("vendor_id"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
+        return {}
+    if not hasattr(_workspaces, "exact"):
+        _workspaces.exact = {}
+    return _workspaces.exact
 
 
 # The fold's output for a run of heads: ``take(heads)`` is where the chunk's stored values go.
@@ -184,24 +124,17 @@ def fold_layer_chunks(
     q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, out_dtype: torch.dtype, device: torch.device | str,
     take: ChunkOutput,
 ) -> Iterator[tuple[slice, torch.Tensor]]:  # fmt: skip
-    """The fold of one layer, ``_HEADS_PER_CHUNK`` heads at a time: fp32 accumulation (on
-    ``device``), one rounding to ``out_dtype``, written into ``take(heads)`` (``[n, L+R, Lq]``),
-    which is yielded with its heads. Why by chunk: a consumer can hash, check and write each chunk
-    while the next is folded, so that no layer's fold (170 MB for Kimi-K3 in bf16) is ever held whole."""
+    """The fold of one layer, ``_HEADS_PER_CHUNK`` heads at a time: each element the exact value
+    rounded once to ``out_dtype`` (computed on ``device``), written into ``take(heads)`` (``[n, L+R,
+    Lq]``), which is yielded with its heads. Why by chunk: a consumer can hash, check and write each
+    chunk while the next is folded, so that no layer's fold (170 MB for Kimi-K3 in bf16) is ever held
+    whole."""
     lora, p = g.kv_lora_rank, g.qk_nope_head_dim
-    if onednn_bf16_fold(q_b, kv_b, out_dtype, device):
-        q_heads, kv_heads = _per_head(q_b, kv_b, g)
-        for chunk in _head_chunks(g.num_heads):
-            out = take(chunk)
-            w_uk_t = kv_heads[chunk, :p].transpose(1, 2).contiguous()  # [n, L, P]
-            torch.bmm(w_uk_t, q_heads[chunk, :p].contiguous(), out=out[:, :lora])
-            out[:, lora:].copy_(q_heads[chunk, p:])
-            yield chunk, out
-        return
-    for chunk, ql_nope, q_pe in fold_chunks(q_b, kv_b, g, device):
+    q_heads = _per_head(q_b, kv_b, g)[0]
+    for chunk, write_nope in _exact_nope_rows(q_b, kv_b, g, device):
         out = take(chunk)
-        out[:, :lora].copy_(ql_nope if ql_nope.device.type == "cpu" else ql_nope.to(out_dtype))
-        out[:, lora:].copy_(q_pe)
+        write_nope(out[:, :lora])
+        out[:, lora:].copy_(q_heads[chunk, p:])
         yield chunk, out
 
 
@@ -249,12 +182,19 @@ def fold_layer_fp8_chunks(
     q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, device: torch.device | str, take: Fp8ChunkOutput
 ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
     """The fp8 fold of one layer, ``_HEADS_PER_CHUNK`` heads at a time (as :func:`fold_layer_chunks`):
-    quantized from the exact fold (:func:`quantize_fp8_rows`; rows are independent, so the
-    ql_nope and q_pe rows are quantized apart) into ``take(heads)``, yielded with its heads."""
-    lora = g.kv_lora_rank
-    for chunk, ql_nope, q_pe in fold_chunks(q_b, kv_b, g, device):
+    quantized (:func:`quantize_fp8_rows`, IEEE fp32 operations, each correctly rounded: the same
+    bits on any device) from the fp32 fold, itself the exact value rounded once; rows are
+    independent, so the ql_nope and q_pe rows are quantized apart. Written into ``take(heads)`` and
+    yielded with its heads."""
+    lora, p = g.kv_lora_rank, g.qk_nope_head_dim
+    q_heads = _per_head(q_b, kv_b, g)[0]
+    shape, on = torch.Size((min(_HEADS_PER_CHUNK, g.num_heads), lora, g.q_lora_rank)), torch.device(device)
+    workspace = _workspace(on)
+    for chunk, write_nope in _exact_nope_rows(q_b, kv_b, g, device):
         values, scale = take(chunk)
-        for rows, exact in ((slice(None, lora), ql_nope), (slice(lora, None), q_pe.to(ql_nope.device))):
+        nope = workspace_buffer(workspace, "fp8_nope", shape, torch.float32, on)[: chunk.stop - chunk.start]
+        write_nope(nope)
+        for rows, exact in ((slice(None, lora), nope), (slice(lora, None), q_heads[chunk, p:].to(device))):
             chunk_values, chunk_scale = quantize_fp8_rows(exact)
             values[:, rows].copy_(chunk_values)
             scale[:, rows].copy_(chunk_scale)

@@ -32,7 +32,7 @@ import torch
 
 from bench_machine import machine
 from foldckpt import __version__
-from foldckpt.fold import fold_chunks, fold_layer, fold_layer_fp8, quantize_fp8_rows
+from foldckpt.fold import fold_layer, fold_layer_fp8, quantize_fp8_rows
 from foldckpt.model.geometry import Geometry, MLALayer
 
 K3 = Geometry("kimi_k3", "KimiK3ForConditionalGeneration", num_heads=96, q_lora_rank=1536, kv_lora_rank=512,
@@ -192,9 +192,7 @@ def _paths(q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry) -> dict[str, Call
     w_fold = fold_layer(q_b, kv_b, g, torch.bfloat16).to(torch.float32)
     fp8_values, fp8_scale = fold_layer_fp8(q_b, kv_b, g)
     fp8_values_f32 = fp8_values.to(torch.float32)
-    exact = torch.cat([
-        torch.cat([ql_nope, q_pe.to(torch.float32)], dim=1) for _, ql_nope, q_pe in fold_chunks(q_b, kv_b, g)
-    ]).reshape(g.fold_shape)  # fmt: skip
+    exact = fold_layer(q_b, kv_b, g, torch.float32)
     # values x block scale costs one fp32 rounding (2^-24 relative), so one fp32 GEMM on it matches a kernel
     # that scales each block's fp32 partial sum far below the e4m3 error being measured.
     w_block = dequantize_fp8_row_blocks(*quantize_fp8_row_blocks(exact))

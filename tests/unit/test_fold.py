@@ -7,10 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from foldckpt import fold as fold_module
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import (
-    ROUNDING_TOLERANCE, dequantize_fp8_blocks, fold_error, fold_layer, onednn_bf16_fold, probe_error, sample_heads,
+    ROUNDING_TOLERANCE, dequantize_fp8_blocks, fold_error, fold_layer, probe_error, sample_heads,
     underflow_suspects,
 )  # fmt: skip
 from foldckpt.model.geometry import Geometry, MLALayer
@@ -50,45 +49,6 @@ def test_fold_matches_fp64_reference_per_head(geometry: Geometry, out_dtype: tor
         assert error < ROUNDING_TOLERANCE[out_dtype], f"head {h}: {error}"
         # The rope rows are copied, not computed: exact.
         assert torch.equal(fold[h, geometry.kv_lora_rank :], q_b.reshape(geometry.num_heads, -1, geometry.q_lora_rank)[h, geometry.qk_nope_head_dim :].to(out_dtype))
-
-
-@pytest.mark.parametrize("onednn", [True, False], ids=["onednn-bf16-gemm", "fp32-copies"])
-def test_a_bf16_fold_is_fp32_accumulation_rounded_once(onednn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each element of a bf16 fold is within half a bf16 ulp of the fp64 value plus what fp32
-    accumulation can cost (K·2⁻²⁴·Σ|a·b|), on both CPU paths (each taken here whatever this CPU
-    would choose). Bugs this catches: bf16 partial sums (errors of many ulps), a second rounding
-    through an intermediate dtype, or a path that truncates instead of rounding (up to a whole ulp)."""
-    if onednn and torch.backends.cpu.get_cpu_capability() != "AVX512":
-        pytest.skip("oneDNN's bf16 GEMM is used only where ATen runs AVX-512 kernels")
-    g = K3_HEADS
-    q_b, kv_b = random_weights(g, seed=3)
-    monkeypatch.setattr(fold_module, "bf16_outpaces_fp32", lambda: onednn)
-    assert onednn_bf16_fold(q_b, kv_b, torch.bfloat16, "cpu") == onednn
-    fold = fold_layer(q_b, kv_b, g, torch.bfloat16).reshape(g.num_heads, g.fold_head_dim, -1)
-    p, r, v = g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim
-    for h in range(g.num_heads):
-        w_qb_nope = q_b[h * (p + r) : h * (p + r) + p].double()
-        w_uk = kv_b[h * (p + v) : h * (p + v) + p].double()
-        exact, magnitude = w_uk.T @ w_qb_nope, w_uk.T.abs() @ w_qb_nope.abs()
-        _, exponent = torch.frexp(exact)  # |exact| in [2^(e-1), 2^e): a bf16 ulp there is 2^(e-8)
-        bound = torch.ldexp(torch.ones_like(exact), exponent - 9) + p * 2.0**-24 * magnitude
-        error = (fold[h, : g.kv_lora_rank].double() - exact).abs()
-        assert bool((error <= bound).all()), f"head {h}: {int((error > bound).sum())} elements off by more than one rounding"
-
-
-@pytest.mark.parametrize(("amx", "avx512_bf16", "vendor", "expected"), [
-    (True, True, "GenuineIntel", True),  # AMX tiles
-    (False, True, "AuthenticAMD", True),  # Zen 4 and later
-    (False, True, "GenuineIntel", False),  # AVX512-BF16 alone: fp32 FMAs keep up
-    (False, False, "AuthenticAMD", False),  # no bf16 dot products at all
-])  # fmt: skip
-def test_the_bf16_gemm_is_taken_where_the_cpu_multiplies_bf16_faster(
-    amx: bool, avx512_bf16: bool, vendor: str, expected: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
-    monkeypatch.setattr(fold_module, "_cpu_vendor", lambda: vendor)
-    assert fold_module.bf16_outpaces_fp32.__wrapped__() is expected
 
 
 def test_fold_reproduces_the_two_step_query_on_random_inputs() -> None:

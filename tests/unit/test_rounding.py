@@ -1,0 +1,218 @@
+"""Every stored fold element is its exact value rounded once, whatever order sums it.
+
+The reference is written here, independently of :mod:`foldckpt.rounding`: the exact sum as a
+``fractions.Fraction``, and its rounding picked among the nearest values of the dtype by exact
+distance (ties to the even bit pattern), with no integer rounding code shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from fractions import Fraction
+
+import pytest
+import torch
+
+from foldckpt.fold import fold_layer, fold_layer_fp8, quantize_fp8_rows
+from foldckpt.model.geometry import Geometry, MLALayer
+
+BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+# W_qb_nope's first column: the terms below are these times each row's values.
+COLUMN = (1.0, 1.0, 2.0**-30, 1.0)
+BF16_MAX = torch.finfo(torch.bfloat16).max
+# Rows of W_UKᵀ (P = 4), each sum crafted against a rounding boundary: exactly on a bf16 tie
+# (1 + 2^-8 rounds to even 1, 1 + 3·2^-8 up), or off it by 2^-60, which no fp64 sum of these terms
+# keeps (1 + 2^-8 + 2^-60 needs 61 bits), or an fp32 or fp16 tie, a bf16 subnormal tie (3.5·2^-133), the
+# overflow threshold, zeros from cancellation and of -0 terms (+0 whatever the order), and 2^-40
+# next to ±2^30, which fp64 sums in the usual orders lose.
+CRAFTED = (
+    (1.0, 2.0**-8, 0.0, 0.0),
+    (1.0 + 2.0**-7, 2.0**-8, 0.0, 0.0),
+    (1.0, 2.0**-8, 2.0**-30, 0.0),
+    (1.0, 2.0**-8, -(2.0**-30), 0.0),
+    (-1.0, -(2.0**-8), -(2.0**-30), 0.0),
+    (1.0, -1.0, 2.0**-30, 0.0),
+    (1.0, 2.0**-24, 0.0, 0.0),
+    (1.0, 2.0**-24, 2.0**-30, 0.0),
+    (1.0, 2.0**-11, 0.0, -(2.0**-30)),
+    (3 * 2.0**-133, 0.0, 2.0**-104, 0.0),
+    (BF16_MAX, 2.0**119, 0.0, 0.0),
+    (BF16_MAX, 2.0**119, -(2.0**-30), 0.0),
+    (1.0, -1.0, 0.0, 0.0),
+    (-(2.0**-8), 2.0**-8, -0.0, -0.0),
+    (1024.0, 2.0**-15, 2.0**-20, -1024.0),
+    (3.0, 2.0**-7, 2.0**-30, 2.0**-6),
+    (2.0**30, 2.0**-40, -(2.0**60), 0.0),
+    (-0.0, -0.0, -0.0, -0.0),
+)
+
+ONE_HEAD = Geometry("deepseek", "DeepseekV3ForCausalLM", num_heads=1, q_lora_rank=2, kv_lora_rank=len(CRAFTED),
+                    qk_nope_head_dim=4, qk_rope_head_dim=1, v_head_dim=1, layers=(MLALayer(0, "model.layers.0"),))  # fmt: skip
+# Kimi-K3's per-head dimensions (fewer heads to stay fast).
+K3_HEADS = replace(ONE_HEAD, num_heads=4, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                   qk_rope_head_dim=64, v_head_dim=128)  # fmt: skip
+
+
+def correctly_rounded(exact: Fraction, dtype: torch.dtype) -> torch.Tensor:
+    """``exact`` rounded to nearest ``dtype`` value, ties to the even bit pattern, +inf/-inf past the
+    largest value by half an ulp or more: the candidates are the value torch gives for the nearest
+    double and its two neighbours, judged by exact distance."""
+    if exact == 0:
+        return torch.zeros((), dtype=dtype)
+    top = torch.tensor(torch.finfo(dtype).max, dtype=dtype)
+    below = torch.nextafter(top, torch.zeros_like(top))
+    threshold = Fraction(top.item()) + (Fraction(top.item()) - Fraction(below.item())) / 2
+    if abs(exact) >= threshold:
+        return torch.tensor(float("inf") if exact > 0 else float("-inf"), dtype=dtype)
+    guess = torch.tensor(float(exact), dtype=torch.float64).to(dtype)
+    candidates = [
+        guess,
+        torch.nextafter(guess, guess.new_tensor(float("inf"))),
+        torch.nextafter(guess, guess.new_tensor(float("-inf"))),
+    ]
+    candidates = [c for c in candidates if c.isfinite()]
+
+    def key(candidate: torch.Tensor) -> tuple[Fraction, int]:
+        return abs(Fraction(candidate.item()) - exact), int(candidate.view(BITS[dtype]).item()) & 1
+
+    return min(candidates, key=key)
+
+
+def exact_fold(q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, head: int, row: int, col: int) -> Fraction:
+    """W_UK[h]ᵀ·W_qb_nope[h] at (row, col), exactly, straight from the row ranges of the formula."""
+    p, r, v = g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim
+    w_qb_nope = q_b[head * (p + r) : head * (p + r) + p, col].tolist()
+    w_uk = kv_b[head * (p + v) : head * (p + v) + p, row].tolist()
+    return sum((Fraction(a) * Fraction(b) for a, b in zip(w_uk, w_qb_nope)), Fraction(0))
+
+
+def crafted_weights(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """ONE_HEAD's q_b_proj and kv_b_proj holding CRAFTED (column 0) and random values (column 1)."""
+    g = ONE_HEAD
+    q_b = torch.zeros(g.q_b_proj_shape, dtype=torch.float64)
+    q_b[: g.qk_nope_head_dim, 0] = torch.tensor(COLUMN)
+    q_b[: g.qk_nope_head_dim, 1] = torch.randn(g.qk_nope_head_dim, generator=torch.Generator().manual_seed(0)).to(dtype)
+    q_b[g.qk_nope_head_dim :] = 0.5
+    kv_b = torch.zeros(g.kv_b_proj_shape, dtype=torch.float64)
+    kv_b[: g.qk_nope_head_dim] = torch.tensor(CRAFTED).T
+    assert bool((q_b.to(dtype).double() == q_b).all() and (kv_b.to(dtype).double() == kv_b).all()), "inexact inputs"
+    return q_b.to(dtype), kv_b.to(dtype)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sums_on_and_next_to_a_rounding_tie_are_the_exact_sum_rounded_once(out_dtype: torch.dtype) -> None:
+    """Ties, sums 2^-60 off a tie (which fp64 loses), cancellation, subnormals and overflow: each
+    element equals the Fraction sum rounded once. Kills: an fp64 or fp32 sum rounded as it is (the
+    2^-60 cases), rounding through fp32 (double rounding), ties away from zero, a zero's sign taken
+    from the sum's order, and skipping the exact settlement of the undecided elements."""
+    q_b, kv_b = crafted_weights(torch.bfloat16)
+    fold = fold_layer(q_b, kv_b, ONE_HEAD, out_dtype)
+    for row in range(ONE_HEAD.kv_lora_rank):
+        for col in range(ONE_HEAD.q_lora_rank):
+            exact = exact_fold(q_b, kv_b, ONE_HEAD, 0, row, col)
+            expected = correctly_rounded(exact, out_dtype)
+            got = fold[row, col]
+            assert got.view(BITS[out_dtype]) == expected.view(BITS[out_dtype]), (
+                row,
+                col,
+                float(exact),
+                got.item(),
+                expected.item(),
+            )
+
+
+def test_fp32_inputs_are_summed_exactly_too() -> None:
+    """fp8 sources are dequantized to fp32: the fold of fp32 inputs is their exact sum rounded once."""
+    q_b, kv_b = crafted_weights(torch.bfloat16)
+    q_b, kv_b = q_b.float(), kv_b.float()
+    q_b[: ONE_HEAD.qk_nope_head_dim, 1] = torch.tensor([1 + 2.0**-23, 3 - 2.0**-22, 2.0**-30, 1.0 / 3])
+    fold = fold_layer(q_b, kv_b, ONE_HEAD, torch.bfloat16)
+    for row in range(ONE_HEAD.kv_lora_rank):
+        for col in range(ONE_HEAD.q_lora_rank):
+            expected = correctly_rounded(exact_fold(q_b, kv_b, ONE_HEAD, 0, row, col), torch.bfloat16)
+            assert fold[row, col].view(torch.int16) == expected.view(torch.int16), (row, col)
+
+
+def _random_weights(g: Geometry, seed: int, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    q_b = torch.randn(g.q_b_proj_shape, generator=generator) / g.q_lora_rank**0.5
+    kv_b = torch.randn(g.kv_b_proj_shape, generator=generator) / g.kv_lora_rank**0.5
+    return q_b.to(dtype), kv_b.to(dtype)
+
+
+def _near_ties_and_a_sample(
+    q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, dtype: torch.dtype
+) -> list[tuple[int, int, int]]:
+    """(head, row, col) of elements whose fp64 value lies within 2^-22 of an ulp from a tie of ``dtype``
+    (where a wrong rounding would hide; 400 of them at most, chosen at random: an fp32 tie is exact
+    in a tenth of the elements), and of a random sample of the others."""
+    p = g.qk_nope_head_dim
+    q_heads, kv_heads = (
+        q_b.double().reshape(g.num_heads, -1, g.q_lora_rank),
+        kv_b.double().reshape(g.num_heads, -1, g.kv_lora_rank),
+    )
+    fp64 = torch.bmm(kv_heads[:, :p].transpose(1, 2), q_heads[:, :p])
+    _, exponent = torch.frexp(fp64)
+    ulp = torch.ldexp(torch.ones_like(fp64), exponent - (1 - int(torch.finfo(dtype).eps.hex().split("p")[1])))
+    offset = torch.remainder(fp64, ulp) / ulp  # where in its ulp, 0.5 a tie
+    near = torch.nonzero((offset - 0.5).abs() < 2.0**-22)
+    generator = torch.Generator().manual_seed(1)
+    near = near[torch.randperm(len(near), generator=generator)[:400]].tolist()
+    sample = torch.randint(0, fp64.numel(), (300,), generator=generator)
+    return near + [list(divmod_all(i, fp64.shape)) for i in sample.tolist()]
+
+
+def divmod_all(index: int, shape: torch.Size) -> tuple[int, ...]:
+    coordinates = []
+    for size in reversed(shape):
+        index, coordinate = divmod(index, size)
+        coordinates.append(coordinate)
+    return tuple(reversed(coordinates))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_every_element_of_a_kimi_k3_head_fold_is_its_exact_value_rounded_once(out_dtype: torch.dtype) -> None:
+    """On Kimi-K3's head shapes with random bf16 weights: the elements next to a tie (where a
+    rounding from an fp32 sum or through fp32 goes wrong) and a sample of the rest."""
+    g = K3_HEADS
+    q_b, kv_b = _random_weights(g, seed=3)
+    fold = fold_layer(q_b, kv_b, g, out_dtype).reshape(g.num_heads, g.fold_head_dim, g.q_lora_rank)
+    checked = _near_ties_and_a_sample(q_b, kv_b, g, out_dtype)
+    assert len(checked) > 320  # some near ties, or the test shows little
+    for head, row, col in checked:
+        expected = correctly_rounded(exact_fold(q_b, kv_b, g, head, row, col), out_dtype)
+        assert fold[head, row, col].view(BITS[out_dtype]) == expected.view(BITS[out_dtype]), (head, row, col)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32, "fp8"])
+def test_the_fold_is_the_same_bytes_whatever_order_sums_it(out_dtype: torch.dtype | str) -> None:
+    """The nope dimensions of a head permuted alike in W_UK and W_qb_nope: the same exact fold,
+    summed by the GEMM in another order (fp64 sums that differ in their last bits). Kills a fold
+    rounded from its fp32 or fp64 sum as it is: another order then rounds some elements apart."""
+    g = K3_HEADS
+    q_b, kv_b = _random_weights(g, seed=4)
+    p, r, v = g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim
+    order = torch.randperm(p, generator=torch.Generator().manual_seed(5))
+    q_heads, kv_heads = q_b.reshape(g.num_heads, p + r, -1).clone(), kv_b.reshape(g.num_heads, p + v, -1).clone()
+    q_heads[:, :p], kv_heads[:, :p] = q_heads[:, order], kv_heads[:, order]
+    permuted = q_heads.reshape(q_b.shape), kv_heads.reshape(kv_b.shape)
+    if out_dtype == "fp8":
+        for one, other in zip(fold_layer_fp8(q_b, kv_b, g), fold_layer_fp8(*permuted, g)):
+            assert torch.equal(one.view(torch.uint8), other.view(torch.uint8))
+        return
+    one, other = fold_layer(q_b, kv_b, g, out_dtype), fold_layer(*permuted, g, out_dtype)
+    assert torch.equal(one.view(BITS[out_dtype]), other.view(BITS[out_dtype]))
+
+
+def test_the_fp8_fold_is_quantized_from_the_exactly_rounded_fp32_fold() -> None:
+    """The fp8 definition: per row, quantize_fp8_rows of the fp32 fold (each element its exact value
+    rounded once to fp32), the ql_nope and q_pe rows apart. Kills an fp8 fold quantized from an fp32
+    or fp64 sum as it is."""
+    g = K3_HEADS
+    q_b, kv_b = _random_weights(g, seed=6)
+    fp32 = fold_layer(q_b, kv_b, g, torch.float32)
+    values, scale = fold_layer_fp8(q_b, kv_b, g)
+    expected_values, expected_scale = quantize_fp8_rows(fp32)
+    assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
+    assert torch.equal(scale, expected_scale)
