@@ -24,8 +24,8 @@ FOLD_SCALE_DTYPE = "F32"
 # scale, the fp8 fold GEMM); one dequantized at load (CPU, older GPUs) says "bfloat16" there.
 FP8_KERNEL_LOG = "float8_e4m3fn by the fp8 fold kernel"
 _TORCH_DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "fp8": "float8_e4m3fn"}
-# The fold is always accumulated in fp32 and rounded once to the fold dtype.
-ACCUMULATION_DTYPE = "float32"
+# The fold is the exact value of each element rounded once to the fold dtype (foldckpt.rounding).
+ACCUMULATION_DTYPE = "exact"
 DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
 SIDECAR_PREFIX = "foldckpt-"
 # The resume journal of an unfinished conversion (foldckpt.convert.journal): verify and the serving

@@ -141,14 +141,14 @@ def _worst(errors: Iterable[float]) -> float:
     return max(errors, key=nan_last, default=0.0)
 
 
-def _output_parameters(plan: ConversionPlan, options: ConvertOptions, device: str) -> dict[str, Any]:
-    """The parameters that shape the output bytes (and so key resumption and idempotence): a GPU
-    accumulates in another order than the CPU, so a few folded values may round the other way."""
+def _output_parameters(plan: ConversionPlan, options: ConvertOptions) -> dict[str, Any]:
+    """The parameters that shape the output bytes (and so key resumption and idempotence). Not the
+    fold device: every element is the exact value rounded once (:mod:`foldckpt.rounding`), the same
+    bytes on any CPU or GPU, so the manifest, and the sha256 users pin, are the same too."""
     return {
         "fold_dtype": plan.fold_dtype,
         "accumulation_dtype": ACCUMULATION_DTYPE,
         "max_shard_size": options.max_shard_size,
-        "fold_device": device,
     }
 
 
@@ -223,7 +223,7 @@ def preflight(model_dir: Path | ModelSource, out_dir: Path, options: ConvertOpti
     source = origin.to_dict()
     plan = plan_conversion(origin.path, options.fold_dtype, options.max_shard_size, options.tp_sizes)
     device = resolve_fold_device(options.device)
-    parameters = _output_parameters(plan, options, device)
+    parameters = _output_parameters(plan, options)
     # The manifest records where a Hub model came from, so that identity is part of the run too.
     generated = generated_files(plan)
     identity = run_identity(
@@ -284,7 +284,7 @@ def _convert_locked(pre: Preflight, options: ConvertOptions, started: float) -> 
             out_dir, True, len(plan.layers), 0, 0, sidecars, plan.fold_bytes,
             max_rel_error=_worst(layer.rel_fro_error for layer in layers),
             elapsed_s=time.monotonic() - started, layers=layers, model=origin.label, source=source,
-            fold_device=str(manifest.parameters.get("fold_device", device)), replaced=tuple(replaced),
+            fold_device=device, replaced=tuple(replaced),
         )  # fmt: skip
     remove_stale_tmp_files(out_dir, keep={tmp_path_for(out_dir / name) for name in journal.shards})
     if repaired:  # more to write than the preflight counted (which, made again now, would count the journal too)

@@ -13,9 +13,13 @@ recomputed) cannot be told from the real thing by the manifest alone: users pin 
 the sha256 of the ``foldckpt.json`` file (``verify`` and ``inspect`` print it, ``sha256sum`` gives
 the same), and ``read_manifest(expect_sha256=...)`` refuses any other.
 
-Format 4 (this one) records one BLAKE3 digest per head block of each fold and of each source tensor
-a fold was computed from (tensor bytes; :mod:`foldckpt.io.hashing` says why), and a sha256 per file:
-per source file of the whole file, per sidecar of its header. The header and the head blocks tile a
+Format 5 (this one) records folds that are each element's exact value rounded once to the fold
+dtype, the same bytes from any CPU or GPU, and so no longer the fold device among its parameters:
+the same sources and parameters give the same manifest, and the same sha256, on every machine.
+Format 4 had folds rounded from fp32 sums, which depended on the machine, and recorded where they
+were made. Since format 4 it records one BLAKE3 digest per head block of each fold and of each
+source tensor a fold was computed from (tensor bytes; :mod:`foldckpt.io.hashing` says why), and a
+sha256 per file: per source file of the whole file, per sidecar of its header. The header and the head blocks tile a
 sidecar, so every sidecar byte is covered by exactly one digest and convert hashes each fold byte
 once. Format 3 had sha256 where format 4 has BLAKE3; format 2 also kept a whole-file sha256 of each
 sidecar (every fold byte hashed twice); format 1 recorded per-rank hashes for the TP sizes chosen
@@ -42,7 +46,7 @@ from foldckpt.model.geometry import Geometry
 
 MANIFEST_NAME = "foldckpt.json"
 FORMAT_NAME = "foldckpt"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 DIGEST_KEY = "manifest_sha256"
 DIGEST_RULE = (
     f"sha256 of the manifest without '{DIGEST_KEY}', encoded as JSON with sorted keys, "
@@ -53,11 +57,20 @@ SCALE_RULE = (
     "<layer prefix>.self_attn.q_fold.weight_scale, F32 [H*(L+R)]: W_fold ~= weight * weight_scale[:, None], "
     "weight_scale = amax(|row|) / 448, weight = row / weight_scale rounded once to e4m3 (OCP e4m3fn)"
 )
+ROUNDING_RULE = (
+    "each element of W_UK^T @ W_qb_nope is its exact value rounded once to the fold dtype (to nearest, ties to "
+    "even; an exact zero is +0), from the source values (fp8 ones: e4m3 value times block scale rounded once to "
+    "float32); fp8 folds are quantized from the float32 fold so rounded"
+)
 SIDECAR_RULE = "header_sha256 covers bytes [0, 8 + header length); the folds' head_blake3 cover the rest"
 LAYOUT = "head-major [H*(L+R), Lq]; rank r of tp owns rows [r*H/tp*(L+R), (r+1)*H/tp*(L+R))"
 _MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 # Older formats this one replaced, refused with the command that rewrites them (format 1 below).
-_OLDER_FORMATS = {2: "whole-file sidecar hashes", 3: "sha256 head and source-tensor digests"}
+_OLDER_FORMATS = {
+    2: "whole-file sidecar hashes",
+    3: "sha256 head and source-tensor digests",
+    4: "folds rounded from fp32 sums, which differ from machine to machine",
+}
 
 
 @dataclass(frozen=True)
@@ -219,6 +232,7 @@ class Manifest:
                 "layout": LAYOUT,
                 "dtype": self.fold_dtype,
                 "accumulation_dtype": self.accumulation_dtype,
+                "rounding": ROUNDING_RULE,
                 "tensor_name": "<layer prefix>.self_attn.q_fold.weight",
                 **({"scale": SCALE_RULE} if self.fold_dtype in SCALED_FOLD_DTYPES else {}),
             },

@@ -258,7 +258,7 @@ def test_device_cuda_on_a_machine_without_a_gpu_is_one_line_exit_2_and_auto_fold
     assert len(run.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()  # refused before OUT_DIR is touched
     result = convert(model, tmp_path / "auto", ConvertOptions(progress=False, device="auto"))
-    assert result.fold_device == "cpu" and read_manifest(tmp_path / "auto").parameters["fold_device"] == "cpu"
+    assert result.fold_device == "cpu"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a GPU here")

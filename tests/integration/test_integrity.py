@@ -513,7 +513,7 @@ def test_verify_deep_runs_in_bounded_address_space_whatever_the_file_sizes(make_
     assert "verified in" in run.stdout
 
 
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
 def test_an_output_of_an_older_manifest_format_is_refused_then_replaced_by_restart(converted: Converted, version: int) -> None:
     model_dir, out_dir = converted("deepseek_v3")
     path = out_dir / MANIFEST_NAME
@@ -525,6 +525,12 @@ def test_an_output_of_an_older_manifest_format_is_refused_then_replaced_by_resta
         data["format_version"] = 2
         for record in data["sidecars"].values():
             record["sha256"] = record.pop("header_sha256")
+        data["manifest_sha256"] = manifest_digest(data)
+    elif version == 4:  # folds rounded from fp32 sums, and the device that made them
+        data["format_version"] = 4
+        data["fold"]["accumulation_dtype"] = "float32"
+        del data["fold"]["rounding"]
+        data["parameters"]["fold_device"] = "cpu"
         data["manifest_sha256"] = manifest_digest(data)
     else:  # sha256 where format 4 has BLAKE3, self-digested
         data["format_version"] = 3
@@ -539,19 +545,19 @@ def test_an_output_of_an_older_manifest_format_is_refused_then_replaced_by_resta
             attempt()
         assert not isinstance(caught.value, ManifestError)  # unusable input (exit 2), not a failed check
     convert(model_dir, out_dir, ConvertOptions(progress=False, restart=True))
-    assert read_manifest(out_dir).format_version == FORMAT_VERSION == 4 and check(out_dir).ok
+    assert read_manifest(out_dir).format_version == FORMAT_VERSION == 5 and check(out_dir).ok
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 5])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 6])
 def test_an_edited_format_version_fails_the_self_digest_not_the_format_check(converted: Converted, version: int) -> None:
-    """``"format_version": 4`` edited in the file's bytes: an edit of a current manifest (exit 1,
+    """``"format_version": 5`` edited in the file's bytes: an edit of a current manifest (exit 1,
     self-digest), not an output of an older foldckpt to reconvert (exit 2), which the format check,
     run before the digest, called it."""
     _, out_dir = converted("deepseek_v3")
     path = out_dir / MANIFEST_NAME
     raw = path.read_bytes()
-    assert raw.count(b'"format_version": 4,') == 1
-    path.write_bytes(raw.replace(b'"format_version": 4,', f'"format_version": {version},'.encode()))
+    assert raw.count(b'"format_version": 5,') == 1
+    path.write_bytes(raw.replace(b'"format_version": 5,', f'"format_version": {version},'.encode()))
     run = run_foldckpt("verify", out_dir, "-q")
     assert run.returncode == 1, run.stdout + run.stderr
     assert "FAIL manifest" in run.stdout and "its self-digest (manifest_sha256) does not match its content" in run.stdout
