@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from foldckpt.manifest import file_sha256, read_manifest
-from foldckpt.synthetic import make_checkpoint
+from foldckpt.format.manifest import file_sha256, read_manifest
+from foldckpt.model.synthetic import make_checkpoint
 from tests.conftest import run_foldckpt
 
 OTHER_PATH = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE"}
