@@ -54,6 +54,7 @@ def vllm_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
 def test_an_fp8_fold_serves_each_row_with_its_own_scale(converted: Converted, vllm_world: object) -> None:
     from vllm.model_executor.layers.linear import ColumnParallelLinear
 
+    from foldckpt.runtime.kernels.routing import Route
     from foldckpt.runtime.weights import FoldBuild, SidecarFoldMethod
 
     _, out_dir = converted("kimi_k3", ConvertOptions(progress=False, fold_dtype="fp8"), dtype=torch.float32)
@@ -67,7 +68,8 @@ def test_an_fp8_fold_serves_each_row_with_its_own_scale(converted: Converted, vl
         for layer in g.layers:
             q_fold = ColumnParallelLinear(g.q_lora_rank, g.num_heads * g.fold_head_dim, bias=False, quant_config=None,
                                           prefix=f"{layer.prefix}.self_attn.q_fold")  # fmt: skip
-            q_fold.quant_method = SidecarFoldMethod(fold_set, layer, build, 16, lambda: "NoPE: no RoPE")
+            route = Route(16, "env", "a threshold for this test")
+            q_fold.quant_method = SidecarFoldMethod(fold_set, layer, build, route, lambda: "NoPE: no RoPE")
             q_fold.quant_method.process_weights_after_loading(q_fold)
             served = q_fold(x)[0].double()
 
