@@ -102,8 +102,8 @@ def resolve_fold_device(name: str) -> str:
     """``cpu`` or ``cuda`` for a ``--device`` choice (``auto``: a GPU when torch sees one).
 
     ``cuda`` on a machine with a GPU device file is taken as it is, and confirmed by
-    :func:`require_fold_device` once the fold imports torch. Why: torch's import takes 2-5 s, and
-    convert hashes the sources meanwhile instead of waiting for it. Elsewhere, and for ``auto``
+    :func:`require_fold_device` once the fold imports torch. Why: torch's import takes seconds
+    (torch_start_s in docs/bench/convert*.json), and convert hashes the sources meanwhile instead of waiting for it. Elsewhere, and for ``auto``
     (whose answer the run needs before it starts), torch is asked here."""
     from foldckpt.errors import FoldckptError
 

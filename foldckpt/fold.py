@@ -29,8 +29,9 @@ from foldckpt.rounding import round_exact_products_into, workspace_buffer
 # OCP float8_e4m3fn's largest finite value.
 FP8_MAX = 448.0
 
-# Heads folded per matmul: bounds the fp32 working set to a few MB per head regardless of H (a
-# Kimi-K3 chunk's fp32 product is 12.6 MB; 8 heads cost as much CPU, and 30 MB more at the peak).
+# Heads folded per matmul: bounds the working set to a few heads' products whatever H is (a
+# Kimi-K3 chunk of 4 heads is 4 x 576 x 1536 values); more heads a chunk bought no CPU time, only
+# memory at the peak (peak_rss_bytes in docs/bench/convert*.json).
 _HEADS_PER_CHUNK = 4
 
 # Acceptance bound on the relative Frobenius error of a stored fold vs the fp64 fold: one rounding
@@ -107,7 +108,7 @@ def _workspace(device: torch.device) -> dict[str, torch.Tensor]:
     """The exact fold's per-head buffers (:func:`~foldckpt.rounding.round_exact_products_into`),
     kept by each thread from layer to layer on the CPU. Why: fresh ones per layer are new mappings
     to fault in, and once they are freed glibc serves the next from its heap, which keeps the pages
-    (a 16-layer Kimi-K3 conversion peaked 25 MB higher). On a GPU, torch's caching allocator reuses
+    (a higher peak_rss_bytes in docs/bench/convert*.json). On a GPU, torch's caching allocator reuses
     the memory anyway."""
     if device.type != "cpu":
         return {}
@@ -226,7 +227,8 @@ def all_finite(tensor: torch.Tensor) -> bool:
 
 def abs_max(tensor: torch.Tensor) -> float:
     """The largest ``|value|`` of ``tensor``, NaN when it holds a NaN (and Inf an Inf): one min/max
-    pass (both propagate NaN), some 40x faster on the CPU than ``isfinite().all()`` for bf16."""
+    pass (both propagate NaN), with no boolean temporary the size of the tensor as
+    ``isfinite().all()`` makes."""
     if tensor.numel() == 0:
         return 0.0
     low, high = (value.item() for value in torch.aminmax(tensor))
@@ -385,8 +387,8 @@ class FoldErrorMeter:
 
     The head's fp64 fold and its difference to the stored values go into two buffers reused from
     head to head (this thread's), and the sums and the largest difference are reductions over
-    them: a dozen fresh 7 MB fp64 temporaries per Kimi-K3 head, each a new mapping to fault in,
-    made this check about 0.2 core-s per layer of a conversion (4 heads) and most of ``verify
+    them: a dozen fresh fp64 temporaries the size of a Kimi-K3 head's fold, each a new mapping to
+    fault in, made this check a large share of a conversion's fold time and most of ``verify
     --deep``'s compute."""
 
     def __init__(self, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry) -> None:

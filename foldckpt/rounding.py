@@ -49,7 +49,7 @@ Method, per head: ``e = a·b`` with ``a = W_UK[h]ᵀ`` ``[L, P]`` and ``b = W_qb
 Why fp64 and not the faster sums: an fp32 sum (a CPU's fp32 GEMM, oneDNN's bf16 kernels on AMX, a
 GPU without TF32) is within ``γ(P-1)·S``, 2^-17·S for Kimi-K3's P = 128, of ``e``, which leaves a few
 percent of the elements within their bound of a bf16 tie, too many to settle one by one; in fp64
-almost none are, and the GEMM costs about twice the fp32 one.
+almost none are, for the price of an fp64 GEMM (stage_busy_s.fold in docs/bench/convert*.json).
 
 An exact zero is stored as +0 (the sign of an fp64 zero sum depends on the order; adding +0 makes
 it +0, and a zero next to nonzero terms is small next to its bound, so it is settled exactly).
@@ -114,7 +114,7 @@ def round_exact_products_into(
 def workspace_buffer(
     workspace: dict[str, torch.Tensor], name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """``workspace[name]``, made anew only when its shape, dtype or device changes. Why: a fresh 25 MB
+    """``workspace[name]``, made anew only when its shape, dtype or device changes. Why: a fresh
     fp64 buffer per chunk of heads is a new mapping to fault in on the CPU, 24 times a Kimi-K3 layer."""
     held = workspace.get(name)
     if held is None or held.shape != shape or held.dtype != dtype or held.device != device:

@@ -231,8 +231,8 @@ class FoldRing:
     waits until fewer than ``slots`` are out, the writer gives each back once it is written.
 
     Why: a Kimi-K3 layer's fold is 170 MB in bf16. Held whole, and twice so that one layer was
-    folded while the other was written, it was 340 MB of a conversion's peak RSS, more than torch
-    itself; 8 chunks of 4 heads are 57 MB, and the fold still runs up to 7 chunks ahead of the
+    folded while the other was written, it was 340 MB of a conversion's peak RSS; 8 chunks of 4
+    heads are 57 MB, and the fold still runs up to 7 chunks ahead of the
     writer. Buffers are reused by size (:class:`~foldckpt.io.direct_io.BufferPool`: a fresh one costs
     its page faults) and page-aligned, so the writer's direct I/O takes their bytes as they are."""
 
