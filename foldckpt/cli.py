@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from foldckpt import __version__
+from foldckpt import __version__, signals
 from foldckpt.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERNAL,
@@ -43,7 +43,6 @@ from foldckpt.errors import (
     FoldckptError,
     Interrupted,
 )
-from foldckpt import signals
 from foldckpt.io.files import json_safe
 from foldckpt.model.geometry import describe_layers
 from foldckpt.options import COUNT, INDEX, PATTERNS, SIZE, TP_SIZES, ConvertOptions, VerifyOptions
@@ -51,14 +50,24 @@ from foldckpt.progress import human_bytes
 
 if TYPE_CHECKING:
     from foldckpt.convert import ConvertResult, Preflight
-    from foldckpt.model.hub import ModelSource
     from foldckpt.inspect import Inspection
+    from foldckpt.model.hub import ModelSource
     from foldckpt.verify import VerifyReport
 
 __all__ = ["cli", "human_bytes", "main"]
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 _TP_HINT = "give positive integers such as --tp 8 or --tp 1,2,4,8"
 
 # Set by ``convert`` once it starts writing OUT_DIR: an interruption from then on is resumable.
@@ -160,9 +169,11 @@ def cli() -> None:
 
 
 revision_option = click.option(
-    "--revision", default=None, metavar="REV",
+    "--revision",
+    default=None,
+    metavar="REV",
     help="With a Hugging Face model id: the branch, tag or full commit hash in the local cache (default main).",
-)  # fmt: skip
+)
 
 
 def _resolve(model: str, revision: str | None) -> ModelSource:
@@ -195,10 +206,14 @@ def _print_plan(pre: Preflight, source: ModelSource) -> None:
         f"geometry   H={g.num_heads} Lq={g.q_lora_rank} L={g.kv_lora_rank} P={g.qk_nope_head_dim} "
         f"R={g.qk_rope_head_dim} V={g.v_head_dim} rope={'yes' if g.uses_rope else 'no (NoPE)'}"
     )
-    inputs = sorted({layer.q_b_proj.info.dtype for layer in plan.layers} | {layer.kv_b_proj.info.dtype for layer in plan.layers})
+    inputs = sorted(
+        {layer.q_b_proj.info.dtype for layer in plan.layers} | {layer.kv_b_proj.info.dtype for layer in plan.layers}
+    )
     click.echo(f"inputs     q_b_proj/kv_b_proj {'/'.join(inputs)} in {len(plan.source.headers)} shard(s)")
     click.echo(f"MLA layers {len(plan.layers)}: {layers}")
-    click.echo(f"fold       [{g.fold_shape[0]}, {g.fold_shape[1]}] {plan.fold_dtype} per layer, {human_bytes(plan.fold_bytes)} in all")
+    click.echo(
+        f"fold       [{g.fold_shape[0]}, {g.fold_shape[1]}] {plan.fold_dtype} per layer, {human_bytes(plan.fold_bytes)} in all"
+    )
     for shard in plan.shards:
         click.echo(f"sidecar    {shard.name}  {len(shard.layers)} layer(s)  {human_bytes(shard.size)}")
     state = _STATES[pre.state]
@@ -208,27 +223,32 @@ def _print_plan(pre: Preflight, source: ModelSource) -> None:
     ways = {"hard": ("hard link", "hard links"), "copy": ("copy", "copies"), "symlink": ("symlink", "symlinks")}
     counts = [f"{n} {ways[how][n != 1]}" for how in ways if (n := list(pre.placement.values()).count(how))]
     copied = f" ({human_bytes(pre.copy_bytes)} copied)" if pre.copy_bytes else ""
-    click.echo(f"write      {human_bytes(pre.sidecar_bytes)} of sidecars; {len(pre.placement)} source file(s) to place"
-               + (f": {', '.join(counts)}{copied}" if counts else ""))  # fmt: skip
+    click.echo(
+        f"write      {human_bytes(pre.sidecar_bytes)} of sidecars; {len(pre.placement)} source file(s) to place"
+        + (f": {', '.join(counts)}{copied}" if counts else "")
+    )
     per_gpu = ", ".join(f"TP{tp} {human_bytes(b)}" for tp, b in plan.extra_bytes_per_gpu().items())
     click.echo(f"GPU memory extra per rank: {per_gpu}")
 
 
 def _layer_list(result: ConvertResult, status: str) -> str:
-    return ", ".join(f"{layer.index}{' (mtp)' if layer.is_mtp else ''}" for layer in result.layers if layer.status == status)
+    return ", ".join(
+        f"{layer.index}{' (mtp)' if layer.is_mtp else ''}" for layer in result.layers if layer.status == status
+    )
 
 
 def _print_convert(result: ConvertResult) -> None:
     worst = result.worst_layer
-    accuracy = (
-        f"accuracy   max relative error vs fp64 fold {result.max_rel_error:.2e}"
-        + (f" (layer {worst.index})" if worst is not None else "")
+    accuracy = f"accuracy   max relative error vs fp64 fold {result.max_rel_error:.2e}" + (
+        f" (layer {worst.index})" if worst is not None else ""
     )
     if result.up_to_date:
         if result.replaced:
             click.echo(f"{result.out_dir}: already converted with these inputs and parameters; nothing to fold")
-            click.echo(f"re-placed  {len(result.replaced)} source file(s) placed otherwise by the earlier run, as "
-                       f"--link asks: {', '.join(result.replaced)}")  # fmt: skip
+            click.echo(
+                f"re-placed  {len(result.replaced)} source file(s) placed otherwise by the earlier run, as "
+                f"--link asks: {', '.join(result.replaced)}"
+            )
         else:
             click.echo(f"{result.out_dir}: already converted with these inputs and parameters; nothing to do")
         click.echo(f"layers     {result.layers_total} MLA layer(s) folded: {_layer_list(result, 'up_to_date')}")
@@ -236,21 +256,29 @@ def _print_convert(result: ConvertResult) -> None:
         return
     placed = ", ".join(f"{count} {how}" for how, count in sorted(result.placed.items())) or "none"
     folded = _layer_list(result, "folded")
-    click.echo(f"folded     {result.layers_folded} of {result.layers_total} MLA layer(s)" + (f": {folded}" if folded else ""))
+    click.echo(
+        f"folded     {result.layers_folded} of {result.layers_total} MLA layer(s)" + (f": {folded}" if folded else "")
+    )
     if result.repaired:
         click.echo(f"repaired   {', '.join(result.repaired)}: missing or damaged in OUT_DIR, placed or folded again")
     if result.layers_resumed:
-        click.echo(f"resumed    {result.layers_resumed} layer(s) folded by an earlier run: {_layer_list(result, 'resumed')}")
+        click.echo(
+            f"resumed    {result.layers_resumed} layer(s) folded by an earlier run: {_layer_list(result, 'resumed')}"
+        )
     for name, size in result.sidecars.items():
         click.echo(f"sidecar    {name}  {human_bytes(size)}")
     click.echo(f"sources    {sum(result.placed.values())} file(s) in OUT_DIR, placed: {placed}")
     if result.io:
         io = result.io
-        click.echo(f"io         read {human_bytes(io['bytes_read'])} (re-read {human_bytes(io['bytes_reread'])}), "
-                   f"wrote {human_bytes(io['bytes_written'])}, copied {human_bytes(io['bytes_copied'])}; "
-                   f"folded on {result.fold_device}")  # fmt: skip
+        click.echo(
+            f"io         read {human_bytes(io['bytes_read'])} (re-read {human_bytes(io['bytes_reread'])}), "
+            f"wrote {human_bytes(io['bytes_written'])}, copied {human_bytes(io['bytes_copied'])}; "
+            f"folded on {result.fold_device}"
+        )
     click.echo(accuracy)
-    click.echo(f"done       {result.out_dir} in {result.elapsed_s:.1f} s; check it with: foldckpt verify {result.out_dir}")
+    click.echo(
+        f"done       {result.out_dir} in {result.elapsed_s:.1f} s; check it with: foldckpt verify {result.out_dir}"
+    )
 
 
 @cli.command(name="convert")
@@ -278,21 +306,23 @@ def convert_command(
         pre = preflight(source, out_dir, options)
         plan = pre.plan
         if as_json:
-            _emit_json({
-                "model": str(source.path),
-                "source": source.to_dict(),
-                "out_dir": str(out_dir),
-                "state": pre.state,
-                "layers": [layer.layer.index for layer in plan.layers],
-                "layers_done": pre.layers_done,
-                "sidecars": {shard.name: shard.size for shard in plan.shards},
-                "fold_bytes": plan.fold_bytes,
-                "extra_bytes_per_gpu": plan.extra_bytes_per_gpu(),
-                "placement": pre.placement,
-                "sidecar_bytes_to_write": pre.sidecar_bytes,
-                "bytes_to_copy": pre.copy_bytes,
-                "free_bytes": pre.free_bytes,
-            })  # fmt: skip
+            _emit_json(
+                {
+                    "model": str(source.path),
+                    "source": source.to_dict(),
+                    "out_dir": str(out_dir),
+                    "state": pre.state,
+                    "layers": [layer.layer.index for layer in plan.layers],
+                    "layers_done": pre.layers_done,
+                    "sidecars": {shard.name: shard.size for shard in plan.shards},
+                    "fold_bytes": plan.fold_bytes,
+                    "extra_bytes_per_gpu": plan.extra_bytes_per_gpu(),
+                    "placement": pre.placement,
+                    "sidecar_bytes_to_write": pre.sidecar_bytes,
+                    "bytes_to_copy": pre.copy_bytes,
+                    "free_bytes": pre.free_bytes,
+                }
+            )
         else:
             _print_plan(pre, source)
         return
@@ -341,7 +371,9 @@ def verify_command(ctx: click.Context, out_dir: Path, deep: bool, quiet: bool, a
     """
     expect_sha256, level = flags["expect_manifest_sha256"], flags["level"]
     if expect_sha256 is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", expect_sha256.strip()):
-        raise click.BadParameter(f"{expect_sha256!r} is not a sha256 (64 hex digits)", param_hint="'--expect-manifest-sha256'")
+        raise click.BadParameter(
+            f"{expect_sha256!r} is not a sha256 (64 hex digits)", param_hint="'--expect-manifest-sha256'"
+        )
     if (flags["rank"] is None) != (flags["tp"] is None):
         raise click.UsageError("--rank and --tp go together (--rank R --tp N)")
     if flags["sample"] is not None and not (deep or level == "deep"):
@@ -362,7 +394,9 @@ def _print_inspection(info: Inspection) -> None:
     g = info.geometry
     click.echo(f"directory  {info.directory}")
     if info.source is not None:
-        click.echo(f"source     {info.source['repo_id']} (revision {info.source['revision']}, commit {info.source['commit']})")
+        click.echo(
+            f"source     {info.source['repo_id']} (revision {info.source['revision']}, commit {info.source['commit']})"
+        )
     click.echo(f"model      {g.architecture} (family {g.family})")
     click.echo(
         f"geometry   H={g.num_heads} Lq={g.q_lora_rank} L={g.kv_lora_rank} P={g.qk_nope_head_dim} "
@@ -381,8 +415,10 @@ def _print_inspection(info: Inspection) -> None:
         return
     if info.manifest_sha256 is not None:
         click.echo(f"sha256     {info.manifest_sha256}  foldckpt.json")
-    click.echo(f"fold       {info.folded_layers}/{len(g.layers)} layers, {info.fold_dtype}, "
-               f"{human_bytes(info.fold_bytes)} ({100 * info.fold_bytes / max(info.model_bytes, 1):.2f}% of the weights)")  # fmt: skip
+    click.echo(
+        f"fold       {info.folded_layers}/{len(g.layers)} layers, {info.fold_dtype}, "
+        f"{human_bytes(info.fold_bytes)} ({100 * info.fold_bytes / max(info.model_bytes, 1):.2f}% of the weights)"
+    )
     for name, size in info.sidecars.items():
         count = sum(layer.sidecar == name for layer in info.layers)
         click.echo(f"sidecar    {name}  {count} layer(s)  {human_bytes(size)}")
@@ -491,9 +527,11 @@ def main(args: list[str] | None = None) -> None:
         path = _write_traceback()
         first = _one_line(str(exc).splitlines()[0] if str(exc) else "")
         _fail(
-            EXIT_INTERNAL, "internal",
+            EXIT_INTERNAL,
+            "internal",
             f"internal error: {type(exc).__name__}{': ' + first if first else ''}; "
             f"traceback written to {path} (please report it)",
-            as_json, traceback=path,
-        )  # fmt: skip
+            as_json,
+            traceback=path,
+        )
     sys.exit(code if isinstance(code, int) else EXIT_OK)

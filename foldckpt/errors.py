@@ -23,7 +23,9 @@ class FoldckptError(Exception):
     parses message text. :meth:`at` builds the usual ``<path>: <detail>`` error.
     """
 
-    def __init__(self, message: str, *, path: object = None, tensor: str | None = None, detail: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, path: object = None, tensor: str | None = None, detail: str | None = None
+    ) -> None:
         super().__init__(message)
         self.path = None if path is None else str(path)
         self.tensor = tensor

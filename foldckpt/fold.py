@@ -122,9 +122,13 @@ ChunkOutput = Callable[[slice], torch.Tensor]
 
 
 def fold_layer_chunks(
-    q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, out_dtype: torch.dtype, device: torch.device | str,
+    q_b: torch.Tensor,
+    kv_b: torch.Tensor,
+    g: Geometry,
+    out_dtype: torch.dtype,
+    device: torch.device | str,
     take: ChunkOutput,
-) -> Iterator[tuple[slice, torch.Tensor]]:  # fmt: skip
+) -> Iterator[tuple[slice, torch.Tensor]]:
     """The fold of one layer, ``_HEADS_PER_CHUNK`` heads at a time: each element the exact value
     rounded once to ``out_dtype`` (computed on ``device``), written into ``take(heads)`` (``[n, L+R,
     Lq]``), which is yielded with its heads. Why by chunk: a consumer can hash, check and write each
@@ -203,9 +207,12 @@ def fold_layer_fp8_chunks(
 
 
 def fold_layer_fp8(
-    q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, device: torch.device | str = "cpu",
+    q_b: torch.Tensor,
+    kv_b: torch.Tensor,
+    g: Geometry,
+    device: torch.device | str = "cpu",
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp8 fold of one layer (:func:`fold_layer_fp8_chunks`), whole: e4m3 ``[H*(L+R), Lq]`` and
     its fp32 scale per row ``[H*(L+R)]``, written into ``out`` when given."""
     shape = (g.num_heads, g.fold_head_dim, g.q_lora_rank)
@@ -236,8 +243,13 @@ def abs_max(tensor: torch.Tensor) -> float:
 
 
 def _reference_head_into(
-    out: torch.Tensor, q_heads: torch.Tensor, kv_heads: torch.Tensor, head: int, q_nope: torch.Tensor, w_uk: torch.Tensor
-) -> None:  # fmt: skip
+    out: torch.Tensor,
+    q_heads: torch.Tensor,
+    kv_heads: torch.Tensor,
+    head: int,
+    q_nope: torch.Tensor,
+    w_uk: torch.Tensor,
+) -> None:
     """The fp64 fold of one head (views from :func:`_per_head`) into ``out [L+R, Lq]``: W_UKᵀ·W_qb_nope,
     then W_qb_pe; ``q_nope [P, Lq]`` and ``w_uk [P, L]`` are fp64 staging buffers the head is copied into."""
     p, lora = w_uk.shape
@@ -247,9 +259,7 @@ def _reference_head_into(
     out[lora:].copy_(q_heads[head, p:])
 
 
-def reference_fold_heads(
-    q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, heads: tuple[int, ...]
-) -> torch.Tensor:
+def reference_fold_heads(q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, heads: tuple[int, ...]) -> torch.Tensor:
     """fp64 fold of the selected heads, ``[len(heads), L+R, Lq]``."""
     q_heads, kv_heads = _per_head(q_b, kv_b, g)
     f64, p = torch.float64, g.qk_nope_head_dim
@@ -295,13 +305,15 @@ class FoldError:
 
     def to_dict(self) -> dict[str, object]:
         """As the manifest records it (NaN, the error of a fold of NaN inputs, as null)."""
-        return json_safe({
-            "heads": list(self.heads),
-            "rel_fro_error": self.rel_fro_error,
-            "rel_fro_error_rows": dict(self.rows),
-            "worst_head": self.worst_head,
-            "max_abs_error": self.max_abs_error,
-        })  # fmt: skip
+        return json_safe(
+            {
+                "heads": list(self.heads),
+                "rel_fro_error": self.rel_fro_error,
+                "rel_fro_error_rows": dict(self.rows),
+                "worst_head": self.worst_head,
+                "max_abs_error": self.max_abs_error,
+            }
+        )
 
 
 def within_one_rounding(rel_error: float, dtype: torch.dtype) -> bool:
@@ -373,9 +385,11 @@ def _fp64_workspace(p: int, lora: int, rows: int, cols: int) -> tuple[torch.Tens
         f64 = torch.float64
         _workspaces.key = key
         _workspaces.buffers = (
-            torch.empty(p, cols, dtype=f64), torch.empty(p, lora, dtype=f64),
-            torch.empty(rows, cols, dtype=f64), torch.empty(rows, cols, dtype=f64),
-        )  # fmt: skip
+            torch.empty(p, cols, dtype=f64),
+            torch.empty(p, lora, dtype=f64),
+            torch.empty(rows, cols, dtype=f64),
+            torch.empty(rows, cols, dtype=f64),
+        )
     return _workspaces.buffers
 
 
@@ -425,9 +439,13 @@ class FoldErrorMeter:
 
 
 def fold_error(
-    fold: torch.Tensor, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, heads: tuple[int, ...],
+    fold: torch.Tensor,
+    q_b: torch.Tensor,
+    kv_b: torch.Tensor,
+    g: Geometry,
+    heads: tuple[int, ...],
     scale: torch.Tensor | None = None,
-) -> FoldError:  # fmt: skip
+) -> FoldError:
     """How far the stored fold ``[H*(L+R), Lq]`` (with its fp8 row scales) is from the fp64 fold on
     ``heads`` (:class:`FoldErrorMeter`)."""
     stored = fold.reshape(g.num_heads, g.fold_head_dim, g.q_lora_rank)
@@ -439,9 +457,14 @@ def fold_error(
 
 
 def probe_error(
-    fold: torch.Tensor, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, tokens: int = 8, seed: int = 0,
+    fold: torch.Tensor,
+    q_b: torch.Tensor,
+    kv_b: torch.Tensor,
+    g: Geometry,
+    tokens: int = 8,
+    seed: int = 0,
     scale: torch.Tensor | None = None,
-) -> float:  # fmt: skip
+) -> float:
     """Relative error of ``x·W_foldᵀ`` against the unfolded two-step query on random x (fp64).
 
     This is the property decode relies on, checked end to end on the stored tensor:

@@ -81,7 +81,9 @@ def inspect_dir(directory: Path | ModelSource) -> Inspection:
     origin = directory if isinstance(directory, ModelSource) else ModelSource(Path(directory))
     directory = origin.path
     if not directory.is_dir():  # before config.json: a missing directory is not a missing config
-        raise FoldckptError(f"{directory}: not a directory" if directory.exists() else f"{directory}: no such directory")
+        raise FoldckptError(
+            f"{directory}: not a directory" if directory.exists() else f"{directory}: no such directory"
+        )
     conversion = conversion_status(directory)
     try:
         geometry = read_geometry(directory)

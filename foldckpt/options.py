@@ -66,27 +66,37 @@ class ConvertOptions:
     fold_dtype: str = flag(
         "Dtype of the stored fold (accumulation is always fp32, rounded once); fp8: OCP e4m3 "
         "with an fp32 scale per row, half the bytes of bfloat16.",
-        DEFAULT_FOLD_DTYPE, choices=tuple(FOLD_DTYPE_NAMES), show_default=True,
+        DEFAULT_FOLD_DTYPE,
+        choices=tuple(FOLD_DTYPE_NAMES),
+        show_default=True,
     )
     max_shard_size: int = flag(
         "Cap on each sidecar shard's size (a layer's fold is never split: a shard holds at least one).",
-        DEFAULT_MAX_SHARD_SIZE, kind=SIZE, show_default="5GiB",
+        DEFAULT_MAX_SHARD_SIZE,
+        kind=SIZE,
+        show_default="5GiB",
     )
     tp_sizes: tuple[int, ...] | None = flag(
         "Tensor-parallel sizes to show the per-rank GPU memory of (default: 1,2,4,8,16 that divide H). "
         "Does not shape the output: every TP size dividing H serves and verifies (per-head hashes).",
-        kind=TP_SIZES, name="--tp", metavar="N[,N...]",
+        kind=TP_SIZES,
+        name="--tp",
+        metavar="N[,N...]",
     )
     link: str = flag(
         "How source files appear in OUT_DIR: hard link (auto: when on the same filesystem), copy, symlink.",
-        "auto", choices=LINK_MODES, show_default=True,
+        "auto",
+        choices=LINK_MODES,
+        show_default=True,
     )
     allow_nonfinite: bool = flag("Fold even if q_b_proj/kv_b_proj contain NaN or Inf.", False)
     restart: bool = flag("Discard an unfinished (or different) previous run in OUT_DIR.", False)
     overwrite: bool = flag("Allow a non-empty OUT_DIR that is not a foldckpt output.", False)
     device: str = flag(
         "Where the fold is computed (auto: a GPU when torch sees one); fp32 either way, rounded once.",
-        DEFAULT_FOLD_DEVICE, choices=FOLD_DEVICES, show_default=True,
+        DEFAULT_FOLD_DEVICE,
+        choices=FOLD_DEVICES,
+        show_default=True,
     )
     workers: int | None = flag("Threads hashing the sources (default: two per core, at most 32).", kind=COUNT)
     # Progress reports on stderr (the CLI turns them off with --quiet and --json).

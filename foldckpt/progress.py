@@ -95,7 +95,9 @@ def _interval() -> float:
         return DEFAULT_INTERVAL_S
 
 
-def progress_bar(total: int, desc: str, unit: str, enabled: bool, stream: TextIO | None = None, position: int = 0) -> Any:
+def progress_bar(
+    total: int, desc: str, unit: str, enabled: bool, stream: TextIO | None = None, position: int = 0
+) -> Any:
     """A progress reporter with tqdm's ``update`` / ``set_postfix`` / ``close`` (and ``with``);
     bars shown at the same time take a ``position`` (line) each."""
     stream = stream or sys.stderr

@@ -200,7 +200,7 @@ def _settle(
     if unsure.numel():
         settled = [
             round_to_nearest_even(*exact_dot(a_row, b_col), r.dtype)
-            for a_row, b_col in zip(a_rows[unsure].tolist(), b_cols[unsure].tolist())
+            for a_row, b_col in zip(a_rows[unsure].tolist(), b_cols[unsure].tolist(), strict=True)
         ]
         where = heads[unsure], rows[unsure], cols[unsure]
         r[where] = torch.tensor(settled, dtype=torch.float64, device=r.device).to(r.dtype)
@@ -240,7 +240,7 @@ def exact_dot(a: list[float], b: list[float]) -> tuple[int, int]:
     """``Σ a_i·b_i`` exactly, as ``(m, k)`` with the sum ``m·2^k`` (every finite float is an integer
     times a power of two, so the products and their sum are too)."""
     terms = []
-    for left, right in zip(a, b):
+    for left, right in zip(a, b, strict=True):
         if left and right:
             (n1, d1), (n2, d2) = left.as_integer_ratio(), right.as_integer_ratio()
             terms.append((n1 * n2, (d1 * d2).bit_length() - 1))  # n / 2^shift

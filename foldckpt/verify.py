@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from foldckpt.model.checkpoint import INDEX_NAME, SourceCheckpoint, open_source_checkpoint
+from foldckpt.defaults import DEFAULT_MAX_SHARD_SIZE
+from foldckpt.errors import FoldckptError, ManifestError
 from foldckpt.format.consistency import (
     Problem,
     add_head_ranges,
@@ -52,9 +53,8 @@ from foldckpt.format.consistency import (
     sidecar_headers,
     unlisted_entries,
 )
-from foldckpt.defaults import DEFAULT_MAX_SHARD_SIZE
+from foldckpt.format.manifest import MANIFEST_NAME, Manifest, SourceTensor, file_sha256, read_manifest
 from foldckpt.io.direct_io import BufferPool
-from foldckpt.errors import FoldckptError, ManifestError
 from foldckpt.io.files import is_locked, sha256_file, worker_pool
 from foldckpt.io.hashing import (
     HashJob,
@@ -64,10 +64,10 @@ from foldckpt.io.hashing import (
     hash_job,
     head_digests,
 )
-from foldckpt.format.manifest import MANIFEST_NAME, Manifest, SourceTensor, file_sha256, read_manifest
+from foldckpt.io.safetensors_format import read_header, read_tensor_bytes
+from foldckpt.model.checkpoint import INDEX_NAME, SourceCheckpoint, open_source_checkpoint
 from foldckpt.options import LEVELS, VerifyOptions
 from foldckpt.progress import progress_bar
-from foldckpt.io.safetensors_format import read_header, read_tensor_bytes
 from foldckpt.signals import import_torch
 
 # torch (and the fold math) is imported by the deep level only: the cheaper levels read headers
@@ -163,7 +163,11 @@ def _check_index(out_dir: Path, source: SourceCheckpoint, manifest: Manifest) ->
             held = header.tensors if header is not None else header_tensors(out_dir / item.file)
             if held is None or item.name not in held:
                 problems.append(
-                    Problem(item.file, f"has no tensor '{item.name}', which {MANIFEST_NAME} says fed '{tensor.name}'", item.name)
+                    Problem(
+                        item.file,
+                        f"has no tensor '{item.name}', which {MANIFEST_NAME} says fed '{tensor.name}'",
+                        item.name,
+                    )
                 )
     return problems
 
@@ -214,10 +218,14 @@ def _changed_sources(out_dir: Path, manifest: Manifest, file: str) -> list[Probl
     problems = []
     for source in changed_fold_inputs(out_dir, fed):
         names = ", ".join(f"'{fold}'" for fold in fed[source])
-        problems.append(Problem(
-            file, f"source tensor '{source.name}' is not the one folded into {names} at conversion "
-            "(modified after conversion; reconvert or restore it)", source.name,
-        ))  # fmt: skip
+        problems.append(
+            Problem(
+                file,
+                f"source tensor '{source.name}' is not the one folded into {names} at conversion "
+                "(modified after conversion; reconvert or restore it)",
+                source.name,
+            )
+        )
     return problems
 
 
@@ -235,10 +243,13 @@ def _judge(
     problems: list[Problem] = []
     file_ok = whole is not None and whole == job.expected
     if whole is not None and not file_ok:
-        problems.append(Problem(
-            job.name, f"sha256 {whole[:16]}… differs from {str(job.expected)[:16]}… recorded in {MANIFEST_NAME} "
-            "(the file changed since conversion)",
-        ))  # fmt: skip
+        problems.append(
+            Problem(
+                job.name,
+                f"sha256 {whole[:16]}… differs from {str(job.expected)[:16]}… recorded in {MANIFEST_NAME} "
+                "(the file changed since conversion)",
+            )
+        )
         if job.name in manifest.source_files:
             problems += _changed_sources(out_dir, manifest, job.name)
     failed: dict[str, list[int]] = {}
@@ -249,7 +260,13 @@ def _judge(
     for tensor, heads in failed.items():
         where = f"head(s) {describe_heads(heads)}"
         if rank:
-            problems.append(Problem(job.name, f"rank {rank} rows of '{tensor}' differ from their head digests in {MANIFEST_NAME} ({where})", tensor))
+            problems.append(
+                Problem(
+                    job.name,
+                    f"rank {rank} rows of '{tensor}' differ from their head digests in {MANIFEST_NAME} ({where})",
+                    tensor,
+                )
+            )
         else:
             what = f"tensor '{tensor}' differs from its head digests in {MANIFEST_NAME} in {where} (rank slices affected: {_ranks_affected(manifest, heads)})"
             problems.append(Problem(job.name, what, tensor))
@@ -279,8 +296,10 @@ def check_content(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> 
         problems += _judge(jobs[name], *digests[name], out_dir, manifest, rank)
     if rank_mode:
         first, stop = manifest.geometry.rank_heads(options.tp, options.rank)  # type: ignore[arg-type]
-        scope = (f"rank {rank} (heads {describe_heads(range(first, stop))}) of {len(manifest.tensors)} folds "
-                 f"+ {len(manifest.source_files)} source files")  # fmt: skip
+        scope = (
+            f"rank {rank} (heads {describe_heads(range(first, stop))}) of {len(manifest.tensors)} folds "
+            f"+ {len(manifest.source_files)} source files"
+        )
     else:
         heads = manifest.geometry.num_heads * len(manifest.tensors)
         scope = f"{len(manifest.source_files)} source files and {heads} head blocks of {len(manifest.tensors)} folds"
@@ -301,7 +320,9 @@ def _sample_layers(count: int, sample: int | None) -> list[int]:
     return list(sample_heads(count, sample))
 
 
-def one_rounding_violations(stored: Any, q_b: Any, kv_b: Any, geometry: Any, heads_per_chunk: int = 8) -> tuple[int, float]:
+def one_rounding_violations(
+    stored: Any, q_b: Any, kv_b: Any, geometry: Any, heads_per_chunk: int = 8
+) -> tuple[int, float]:
     """Elements of a bf16/fp16/fp32 fold farther from the fp64 fold than one rounding allows: one
     ulp of the fold dtype at the fp64 value, plus twice the fp32 accumulation bound
     ``P·2⁻²⁴·(|W_UK|ᵀ|W_qb|)``. A fold accumulated in bf16, rounded twice, or (fp32) edited by a
@@ -331,7 +352,9 @@ def one_rounding_violations(stored: Any, q_b: Any, kv_b: Any, geometry: Any, hea
     return count, worst
 
 
-def fp8_rounding_violations(values: Any, scale: Any, q_b: Any, kv_b: Any, geometry: Any, heads_per_chunk: int = 8) -> tuple[int, float]:
+def fp8_rounding_violations(
+    values: Any, scale: Any, q_b: Any, kv_b: Any, geometry: Any, heads_per_chunk: int = 8
+) -> tuple[int, float]:
     """Rows and elements of an fp8 fold farther from the fp64 fold than one rounding allows: each
     row's scale within 2⁻¹⁶ (relative) of ``amax(|fp64 row|) / 448``, and each value within one e4m3
     ulp of ``fp64 / scale`` (half an ulp for the rounding, as much again for the fp32 accumulation
@@ -370,18 +393,25 @@ def _bitwise_equal(a: Any, b: Any) -> bool:
 def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> LevelResult:
     torch = import_torch()
 
-    from foldckpt.defaults import fold_torch_dtype
-    from foldckpt.fold import (
-        ROUNDING_TOLERANCE, accuracy_problem, fold_error, fold_layer, fold_layer_fp8, probe_error,
-    )  # fmt: skip
     from foldckpt.convert.layer import load_layer_inputs, nonfinite_count, nonfinite_fold_problem
     from foldckpt.convert.plan import plan_conversion
+    from foldckpt.defaults import fold_torch_dtype
+    from foldckpt.fold import (
+        ROUNDING_TOLERANCE,
+        accuracy_problem,
+        fold_error,
+        fold_layer,
+        fold_layer_fp8,
+        probe_error,
+    )
     from foldckpt.tensors import TORCH_DTYPES
 
     plan = plan_conversion(
-        out_dir, fold_dtype=manifest.fold_dtype,
-        max_shard_size=int(manifest.parameters.get("max_shard_size", DEFAULT_MAX_SHARD_SIZE)), external_links=True,
-    )  # fmt: skip
+        out_dir,
+        fold_dtype=manifest.fold_dtype,
+        max_shard_size=int(manifest.parameters.get("max_shard_size", DEFAULT_MAX_SHARD_SIZE)),
+        external_links=True,
+    )
     dtype = fold_torch_dtype(manifest.fold_dtype)
     tolerance = ROUNDING_TOLERANCE[dtype]
     geometry = plan.geometry
@@ -400,23 +430,32 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
         bar.update(1)
         record = manifest.tensors.get(layer.output.name)
         if record is None:
-            problems.append(Problem(MANIFEST_NAME, f"no fold recorded for MLA layer {layer.layer.index}", layer.output.name))
+            problems.append(
+                Problem(MANIFEST_NAME, f"no fold recorded for MLA layer {layer.layer.index}", layer.output.name)
+            )
             continue
         inputs = load_layer_inputs(plan, layer, allow_nonfinite=True)
         recorded = {source.name: source.blake3 for source in record.sources}
         changed = [source for source in inputs.sources if recorded.get(source.name) != source.blake3]
         for source in changed:
             if file_intact(source.file):  # the bytes are those converted: the manifest's record is wrong
-                problems.append(Problem(
-                    MANIFEST_NAME, f"the recorded digest of source tensor '{source.name}' does not match its bytes in "
-                    f"{source.file}, although {source.file} matches its recorded sha256: the manifest is inconsistent",
-                    source.name,
-                ))  # fmt: skip
+                problems.append(
+                    Problem(
+                        MANIFEST_NAME,
+                        f"the recorded digest of source tensor '{source.name}' does not match its bytes in "
+                        f"{source.file}, although {source.file} matches its recorded sha256: the manifest is inconsistent",
+                        source.name,
+                    )
+                )
             else:
-                problems.append(Problem(
-                    source.file, f"source tensor '{source.name}' changed since conversion: '{record.name}' was folded "
-                    "from other bytes (reconvert or restore it)", source.name,
-                ))  # fmt: skip
+                problems.append(
+                    Problem(
+                        source.file,
+                        f"source tensor '{source.name}' changed since conversion: '{record.name}' was folded "
+                        "from other bytes (reconvert or restore it)",
+                        source.name,
+                    )
+                )
         if changed:
             continue  # the stored fold cannot be expected to match sources it was not made from
         header = read_header(out_dir / record.file).tensors
@@ -425,12 +464,18 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
             info = header[part.name]
             data = read_tensor_bytes(out_dir / record.file, info)
             if head_digests(data, geometry.num_heads) != part.head_blake3:  # only when called without content
-                problems.append(Problem(record.file, f"tensor '{part.name}' differs from its head digests in {MANIFEST_NAME}", part.name))
+                problems.append(
+                    Problem(
+                        record.file, f"tensor '{part.name}' differs from its head digests in {MANIFEST_NAME}", part.name
+                    )
+                )
                 break
             stored_parts.append(torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype]).reshape(info.shape))
         else:
             stored, scale = stored_parts[0], (stored_parts[1] if len(stored_parts) > 1 else None)
-            nonfinite = nonfinite_fold_problem(nonfinite_count(stored, scale), stored.numel(), inputs, manifest.fold_dtype)
+            nonfinite = nonfinite_fold_problem(
+                nonfinite_count(stored, scale), stored.numel(), inputs, manifest.fold_dtype
+            )
             if nonfinite is not None:
                 problems.append(Problem(record.file, f"'{record.name}': {nonfinite}", record.name))
                 continue
@@ -445,10 +490,14 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
                 # NaN/Inf inputs, folded under --allow-nonfinite: no fp64 bound applies, only the recompute
                 nonfinite_inputs += 1
                 if not same:
-                    problems.append(Problem(
-                        record.file, f"'{record.name}' differs from the fold of its sources recomputed here (they hold "
-                        "NaN or Inf, folded with --allow-nonfinite: only a bitwise comparison applies)", record.name,
-                    ))  # fmt: skip
+                    problems.append(
+                        Problem(
+                            record.file,
+                            f"'{record.name}' differs from the fold of its sources recomputed here (they hold "
+                            "NaN or Inf, folded with --allow-nonfinite: only a bitwise comparison applies)",
+                            record.name,
+                        )
+                    )
                 continue
             measured = fold_error(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry, heads, scale)
             error = measured.rel_fro_error
@@ -463,11 +512,15 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
             inaccurate = accuracy_problem(measured, dtype)  # the rule convert refuses a fold by
             if inaccurate is not None or not probe <= 2 * tolerance or off:  # NaN fails too
                 accuracy = inaccurate or f"relative error vs fp64 {error:.2e} in head {measured.worst_head}"
-                problems.append(Problem(
-                    record.file, f"'{record.name}' is not the fold of its sources rounded once ({accuracy}; probe "
-                    f"x·W_foldᵀ vs two-step query {probe:.2e}, tolerance {tolerance:.1e}; "
-                    f"{off} element(s) beyond one rounding of the fp64 fold)", record.name,
-                ))  # fmt: skip
+                problems.append(
+                    Problem(
+                        record.file,
+                        f"'{record.name}' is not the fold of its sources rounded once ({accuracy}; probe "
+                        f"x·W_foldᵀ vs two-step query {probe:.2e}, tolerance {tolerance:.1e}; "
+                        f"{off} element(s) beyond one rounding of the fp64 fold)",
+                        record.name,
+                    )
+                )
     bar.close()
     rounding = ", every element within one rounding of fp64"
     summary = (
@@ -515,8 +568,9 @@ def verify(out_dir: Path, options: VerifyOptions = VerifyOptions()) -> VerifyRep
     try:
         manifest = read_manifest(out_dir, options.expect_manifest_sha256)
     except ManifestError as exc:  # an edited, damaged or unpinned manifest: verification fails
-        level = LevelResult("manifest", False, "1 problem(s)", (Problem(MANIFEST_NAME, exc.detail),),
-                            time.perf_counter() - begun)  # fmt: skip
+        level = LevelResult(
+            "manifest", False, "1 problem(s)", (Problem(MANIFEST_NAME, exc.detail),), time.perf_counter() - begun
+        )
         return report((level,), file_sha256(out_dir))
     _check_options(out_dir, manifest, options)
 

@@ -29,15 +29,24 @@ from pathlib import Path
 
 import click
 import torch
-
 from bench_machine import machine
+
 from foldckpt import __version__
 from foldckpt.fold import fold_layer, fold_layer_fp8, quantize_fp8_rows
 from foldckpt.model.geometry import Geometry, MLALayer
 
-K3 = Geometry("kimi_k3", "KimiK3ForConditionalGeneration", num_heads=96, q_lora_rank=1536, kv_lora_rank=512,
-              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-              layers=(MLALayer(0, "language_model.model.layers.0"),), uses_rope=False)  # fmt: skip
+K3 = Geometry(
+    "kimi_k3",
+    "KimiK3ForConditionalGeneration",
+    num_heads=96,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    layers=(MLALayer(0, "language_model.model.layers.0"),),
+    uses_rope=False,
+)
 
 # OCP MX: 32 elements share one e8m0 (power of two) scale; e2m1's largest normal exponent is 2.
 MX_BLOCK = 32
@@ -135,8 +144,11 @@ def _check_emulations() -> None:
     elements, scale = quantize_mxfp4(blocks.reshape(-1))
     assert scale.tolist() == [0.125, 1.0, 1.0]
     # /scale: 6, 0.8 -> 1, -2.4 -> -2, 0.4 -> 0.5 | 4, -1.2 -> -1 | 7.9 -> 6, 0.9 -> 1
-    assert elements.reshape(3, MX_BLOCK)[:, :4].tolist() == [[6.0, 1.0, -2.0, 0.5], [4.0, -1.0, 0.0, 0.0],
-                                                             [6.0, 1.0, 0.0, 0.0]]  # fmt: skip
+    assert elements.reshape(3, MX_BLOCK)[:, :4].tolist() == [
+        [6.0, 1.0, -2.0, 0.5],
+        [4.0, -1.0, 0.0, 0.0],
+        [6.0, 1.0, 0.0, 0.0],
+    ]
     assert dequantize_mxfp4(elements, scale)[:4].tolist() == [0.75, 0.125, -0.25, 0.0625]
 
 
@@ -233,8 +245,10 @@ def _measure(kind: str, g: Geometry, tokens: int, seeds: tuple[int, ...], weight
     for seed in seeds:
         x = _activations(g, tokens, seed)
         ref_nope, ref_pe = _reference(x, q_b, kv_b, g)
-        ref_abs_max = {"ql_nope": max(ref_abs_max["ql_nope"], ref_nope.abs().max().item()),
-                       "q_pe": max(ref_abs_max["q_pe"], ref_pe.abs().max().item())}  # fmt: skip
+        ref_abs_max = {
+            "ql_nope": max(ref_abs_max["ql_nope"], ref_nope.abs().max().item()),
+            "q_pe": max(ref_abs_max["q_pe"], ref_pe.abs().max().item()),
+        }
         for name, compute in paths.items():
             ql_nope, q_pe = compute(x)
             for piece, got, ref in (("ql_nope", ql_nope, ref_nope), ("q_pe", q_pe, ref_pe)):
@@ -302,8 +316,13 @@ def _conclusion(results: dict[str, dict], sizes: dict[str, int]) -> dict[str, ob
 @click.command()
 @click.option("--tokens", type=int, default=64, show_default=True, help="Tokens per activation seed.")
 @click.option("--seeds", type=int, default=4, show_default=True, help="Activation seeds per weight set.")
-@click.option("--heads", type=int, default=K3.num_heads, show_default=True,
-              help="Heads to measure (96 = full Kimi-K3; 12 = one TP8 rank).")  # fmt: skip
+@click.option(
+    "--heads",
+    type=int,
+    default=K3.num_heads,
+    show_default=True,
+    help="Heads to measure (96 = full Kimi-K3; 12 = one TP8 rank).",
+)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("docs/bench/accuracy.json"), show_default=True)
 def main(tokens: int, seeds: int, heads: int, out: Path) -> None:
     _check_emulations()
@@ -314,18 +333,25 @@ def main(tokens: int, seeds: int, heads: int, out: Path) -> None:
     for weight_seed, kind in enumerate(WEIGHT_SETS):
         results[kind] = _measure(kind, g, tokens, seed_list, weight_seed)
         for name, stats in results[kind]["paths"].items():
-            click.echo(f"{kind:>12}  {name:<20}  ql_nope {stats['ql_nope_rel_err']['mean']:.5f} "
-                       f"(worst {stats['ql_nope_rel_err']['worst']:.5f})  q_pe {stats['q_pe_rel_err']['mean']:.5f} "
-                       f"(worst {stats['q_pe_rel_err']['worst']:.5f})")  # fmt: skip
+            click.echo(
+                f"{kind:>12}  {name:<20}  ql_nope {stats['ql_nope_rel_err']['mean']:.5f} "
+                f"(worst {stats['ql_nope_rel_err']['worst']:.5f})  q_pe {stats['q_pe_rel_err']['mean']:.5f} "
+                f"(worst {stats['q_pe_rel_err']['worst']:.5f})"
+            )
     sizes = _bytes_per_layer(g)
     report = {
         "benchmark": "accuracy",
         "tool_version": __version__,
         "machine": machine(),
         "seconds": time.perf_counter() - started,
-        "geometry": {"num_heads": g.num_heads, "q_lora_rank": g.q_lora_rank, "kv_lora_rank": g.kv_lora_rank,
-                     "qk_nope_head_dim": g.qk_nope_head_dim, "qk_rope_head_dim": g.qk_rope_head_dim,
-                     "v_head_dim": g.v_head_dim},  # fmt: skip
+        "geometry": {
+            "num_heads": g.num_heads,
+            "q_lora_rank": g.q_lora_rank,
+            "kv_lora_rank": g.kv_lora_rank,
+            "qk_nope_head_dim": g.qk_nope_head_dim,
+            "qk_rope_head_dim": g.qk_rope_head_dim,
+            "v_head_dim": g.v_head_dim,
+        },
         "tokens": tokens,
         "activation_seeds": list(seed_list),
         "activations": "N(0,1) rows RMS-normalised to 1 (q_a_layernorm with unit gain), rounded to bf16",

@@ -50,7 +50,9 @@ def timed(command: list[str], cwd: Path, runs: int) -> dict[str, float | int]:
 
 def imports_torch(command: list[str], cwd: Path) -> bool:
     env = {**os.environ, "PYTHONPATH": str(cwd)}
-    run = subprocess.run([command[0], "-X", "importtime", *command[1:]], cwd=cwd, env=env, capture_output=True, text=True)
+    run = subprocess.run(
+        [command[0], "-X", "importtime", *command[1:]], cwd=cwd, env=env, capture_output=True, text=True
+    )
     return any(line.rsplit("|", 1)[-1].strip() == "torch" for line in run.stderr.splitlines())
 
 
@@ -81,14 +83,23 @@ def main() -> None:
             "python -c pass": [python, "-c", "pass"],
             "foldckpt --help": [python, "-m", "foldckpt", "--help"],
             "foldckpt verify --level content (demo output)": [
-                python, "-m", "foldckpt", "verify", str(out), "--level", "content", "-q",
+                python,
+                "-m",
+                "foldckpt",
+                "verify",
+                str(out),
+                "--level",
+                "content",
+                "-q",
             ],
-        }  # fmt: skip
+        }
         results = {
             name: {**timed(command, checkout, args.runs), "imports_torch": imports_torch(command, checkout)}
             for name, command in commands.items()
         }
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
     entry = {
         "checkout": str(checkout) if checkout != REPO else f"this repository ({commit} + working tree)",
         "python": platform.python_version(),
@@ -105,8 +116,10 @@ def main() -> None:
     data[args.label] = entry
     args.out.write_text(json.dumps(data, indent=2) + "\n")
     for name, result in results.items():
-        print(f"{args.label:>8}  {name:<48} median {result['median_s']:.3f} s  (min {result['min_s']:.3f})  "
-              f"imports torch: {result['imports_torch']}")  # fmt: skip
+        print(
+            f"{args.label:>8}  {name:<48} median {result['median_s']:.3f} s  (min {result['min_s']:.3f})  "
+            f"imports torch: {result['imports_torch']}"
+        )
 
 
 if __name__ == "__main__":

@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-
 from bench_machine import machine
+
 from foldckpt import __version__
-from foldckpt.io.direct_io import DIRECT_CHUNK, DurableAppender, open_direct, read_direct
+from foldckpt.io.direct_io import DurableAppender, open_direct, read_direct
 from foldckpt.io.hashing import default_workers, in_page_cache, tensor_hasher
 from foldckpt.model.synthetic import make_checkpoint
 
@@ -77,7 +77,9 @@ def _add_filler_shards(model_dir: Path, nbytes: int, shard_bytes: int = 1 << 30)
     for number in range(count):
         rows = max(1, min(shard_bytes, nbytes - number * shard_bytes) // (2 * cols))
         name = f"model.filler_experts.{number}.weight"
-        header = json.dumps({name: {"dtype": "BF16", "shape": [rows, cols], "data_offsets": [0, rows * cols * 2]}}).encode()
+        header = json.dumps(
+            {name: {"dtype": "BF16", "shape": [rows, cols], "data_offsets": [0, rows * cols * 2]}}
+        ).encode()
         header += b" " * (-len(header) % 8)
         path = model_dir / f"model-filler-{number:05d}.safetensors"
         with open(path, "wb") as handle:
@@ -137,7 +139,9 @@ def _write_file(path: Path, nbytes: int, direct: bool) -> None:
     try:
         if direct:
             appender = DurableAppender(path, fd, 0)
-            appender.append([chunk[: min(nbytes - start, chunk.nbytes)] for start in range(0, nbytes, max(1, chunk.nbytes))])
+            appender.append(
+                [chunk[: min(nbytes - start, chunk.nbytes)] for start in range(0, nbytes, max(1, chunk.nbytes))]
+            )
             appender.close()
             return
         left = nbytes
@@ -186,31 +190,62 @@ def _io_floor(sources: list[Path], write_bytes: int, scratch: Path) -> dict[str,
         alone[f"write_{'direct' if direct else 'plain'}_s"] = write_all(direct)
         (scratch / "floor-write.bin").unlink()
     plain, direct = both(False), both(True)
-    return {"io_floor_s": min(plain, direct), "io_floor_plain_s": plain, "io_floor_direct_s": direct,
-            "read_alone_s": min(alone["read_plain_s"], alone["read_direct_s"]),
-            "write_alone_s": min(alone["write_plain_s"], alone["write_direct_s"]), **alone}  # fmt: skip
+    return {
+        "io_floor_s": min(plain, direct),
+        "io_floor_plain_s": plain,
+        "io_floor_direct_s": direct,
+        "read_alone_s": min(alone["read_plain_s"], alone["read_direct_s"]),
+        "write_alone_s": min(alone["write_plain_s"], alone["write_direct_s"]),
+        **alone,
+    }
 
 
 def _torch_start_s(device: str) -> float:
     """Seconds a fresh process takes to import torch (and, for ``cuda``, to start CUDA): a fixed
     cost inside every ``wall_s`` (convert imports torch once it has something to fold), the same
     for a 4-layer checkpoint as for a terabyte one, which the floor does not have."""
-    code = ("import time; t = time.perf_counter(); import torch; "
-            + ("torch.zeros(1, device='cuda'); " if device == "cuda" else "") + "print(time.perf_counter() - t)")  # fmt: skip
+    code = (
+        "import time; t = time.perf_counter(); import torch; "
+        + ("torch.zeros(1, device='cuda'); " if device == "cuda" else "")
+        + "print(time.perf_counter() - t)"
+    )
     return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
 def _convert_in_child(model_dir: Path, out_dir: Path, device: str, fold_dtype: str) -> dict[str, Any]:
     started = time.perf_counter()
-    run = subprocess.run([sys.executable, "-c", _CHILD, "convert", str(model_dir), str(out_dir), "--device", device,
-                          "--fold-dtype", fold_dtype, "--json", "-q"], capture_output=True, text=True)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _CHILD,
+            "convert",
+            str(model_dir),
+            str(out_dir),
+            "--device",
+            device,
+            "--fold-dtype",
+            fold_dtype,
+            "--json",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - started
     if run.returncode:
         raise click.ClickException(f"convert failed:\n{run.stderr[-3000:]}")
     summary = json.loads(run.stdout)
-    return {"layers": summary["layers_total"], "fold_bytes": summary["fold_bytes"], "convert_s": summary["elapsed_s"],
-            "placed": summary["placed"], "fold_device": summary["fold_device"], **summary["io"],
-            **json.loads(run.stderr.strip().splitlines()[-1]), "wall_s": wall}  # fmt: skip
+    return {
+        "layers": summary["layers_total"],
+        "fold_bytes": summary["fold_bytes"],
+        "convert_s": summary["elapsed_s"],
+        "placed": summary["placed"],
+        "fold_device": summary["fold_device"],
+        **summary["io"],
+        **json.loads(run.stderr.strip().splitlines()[-1]),
+        "wall_s": wall,
+    }
 
 
 def _hash_rates() -> dict[str, float]:
@@ -263,28 +298,52 @@ def _projection(records: list[dict[str, Any]], rates: dict[str, float], copy_rat
     own_hash = _hash_core_s(last["source_bytes"], last["bytes_hashed"] - last["source_bytes"], rates, copy_rate)
     own = max(last["read_alone_s"], last["write_alone_s"], last["stage_busy_s"].get("fold", 0.0), own_hash / cores)
     return {
-        "mla_layers": FULL_K3_MLA_LAYERS, "source_bytes": FULL_K3_SOURCE_BYTES, "fold_bytes": fold_bytes,
-        "cores": cores, "sha256_bytes_per_s_per_core": rates["sha256"],
-        "tensor_digest_bytes_per_s_per_core": rates["tensor_digest"], "cached_read_bytes_per_s_per_core": copy_rate,
+        "mla_layers": FULL_K3_MLA_LAYERS,
+        "source_bytes": FULL_K3_SOURCE_BYTES,
+        "fold_bytes": fold_bytes,
+        "cores": cores,
+        "sha256_bytes_per_s_per_core": rates["sha256"],
+        "tensor_digest_bytes_per_s_per_core": rates["tensor_digest"],
+        "cached_read_bytes_per_s_per_core": copy_rate,
         "stages": stages,
-        "io_floor_s": floor, "wall_s": wall, "wall_over_floor": wall / floor,
+        "io_floor_s": floor,
+        "wall_s": wall,
+        "wall_over_floor": wall / floor,
         "basis": "largest run's rates; stages overlap: wall = slowest stage + one layer's fold",
         "rule_on_largest_run": {"predicted_wall_s": own + fold_per_layer, "measured_wall_s": last["wall_s"]},
-    }  # fmt: skip
+    }
 
 
 @click.command()
 @click.option("--mla-layers", "mla_counts", multiple=True, type=int, default=(4, 8, 16), show_default=True)
-@click.option("--filler-per-layer", type=int, default=256 * 1024**2, show_default=True,
-              help="Bytes of non-attention shard per MLA layer.")
+@click.option(
+    "--filler-per-layer",
+    type=int,
+    default=256 * 1024**2,
+    show_default=True,
+    help="Bytes of non-attention shard per MLA layer.",
+)
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--fold-dtype", default="bfloat16", show_default=True)
-@click.option("--repeat", type=int, default=3, show_default=True, help="Runs of convert and of the floor; the best of each.")
+@click.option(
+    "--repeat", type=int, default=3, show_default=True, help="Runs of convert and of the floor; the best of each."
+)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("docs/bench/convert.json"), show_default=True)
-@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Scratch space, made if missing (default: the system temp dir).")
-def main(mla_counts: tuple[int, ...], filler_per_layer: int, device: str, fold_dtype: str, repeat: int, out: Path,
-         workdir: Path | None) -> None:  # fmt: skip
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Scratch space, made if missing (default: the system temp dir).",
+)
+def main(
+    mla_counts: tuple[int, ...],
+    filler_per_layer: int,
+    device: str,
+    fold_dtype: str,
+    repeat: int,
+    out: Path,
+    workdir: Path | None,
+) -> None:
     if workdir is not None:
         workdir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="foldckpt-bench-", dir=workdir))
@@ -303,11 +362,14 @@ def main(mla_counts: tuple[int, ...], filler_per_layer: int, device: str, fold_d
     click.echo(f"wrote {out}")
 
 
-def _measure(scratch: Path, count: int, filler_per_layer: int, device: str, fold_dtype: str, repeat: int) -> dict[str, Any]:
+def _measure(
+    scratch: Path, count: int, filler_per_layer: int, device: str, fold_dtype: str, repeat: int
+) -> dict[str, Any]:
     """Convert a ``count``-layer checkpoint and measure the floor on its files, alternated."""
     # Kimi-K3 layout: MLA every 4th layer; the last main layer is MLA too, plus one MTP layer.
-    model_dir = make_checkpoint(scratch / f"k3-{count}", "kimi_k3", layers=4 * (count - 1),
-                                mtp_layers=1, shards=count, full_geometry=True)  # fmt: skip
+    model_dir = make_checkpoint(
+        scratch / f"k3-{count}", "kimi_k3", layers=4 * (count - 1), mtp_layers=1, shards=count, full_geometry=True
+    )
     _add_filler_shards(model_dir, filler_per_layer * count)
     sources = [p for p in model_dir.iterdir() if p.is_file()]
     source_bytes = sum(p.stat().st_size for p in sources)
@@ -328,17 +390,28 @@ def _measure(scratch: Path, count: int, filler_per_layer: int, device: str, fold
     result["wall_over_floor"] = result["wall_s"] / result["io_floor_s"]
     # each conversion against the floor measured right after it: on a VM whose speed drifts
     # over minutes, neighbours saw the same machine
-    result["paired_wall_over_floor"] = [run["wall_s"] / floor["io_floor_s"] for run, floor in zip(runs, floors)]
-    click.echo(f"{result['layers']:>3} MLA layers  {source_bytes / 1e9:6.2f} GB read  "
-               f"{written / 1e9:5.2f} GB written  wall {result['wall_s']:6.1f} s  floor "
-               f"{result['io_floor_s']:6.1f} s ({result['wall_over_floor']:.2f}x)  peak RSS "
-               f"{result['peak_rss_bytes'] / 2**20:6.0f} MiB  copied {result['bytes_copied']} B")  # fmt: skip
+    result["paired_wall_over_floor"] = [
+        run["wall_s"] / floor["io_floor_s"] for run, floor in zip(runs, floors, strict=True)
+    ]
+    click.echo(
+        f"{result['layers']:>3} MLA layers  {source_bytes / 1e9:6.2f} GB read  "
+        f"{written / 1e9:5.2f} GB written  wall {result['wall_s']:6.1f} s  floor "
+        f"{result['io_floor_s']:6.1f} s ({result['wall_over_floor']:.2f}x)  peak RSS "
+        f"{result['peak_rss_bytes'] / 2**20:6.0f} MiB  copied {result['bytes_copied']} B"
+    )
     shutil.rmtree(model_dir)
     return result
 
 
-def _write_report(out: Path, records: list[dict[str, Any]], device: str, fold_dtype: str, filler_per_layer: int,
-                  rates: dict[str, float], copy_rate: float) -> None:  # fmt: skip
+def _write_report(
+    out: Path,
+    records: list[dict[str, Any]],
+    device: str,
+    fold_dtype: str,
+    filler_per_layer: int,
+    rates: dict[str, float],
+    copy_rate: float,
+) -> None:
     peaks = [r["peak_rss_bytes"] for r in records]
     report = {
         "benchmark": "convert",

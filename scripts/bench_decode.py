@@ -126,11 +126,22 @@ MODELS = (
 )
 MS = (1, 2, 4, 8, 14, 28, 56, 112, 224, 512, 1024, 2048, 8192)
 VARIANTS = (
-    "unfolded_cublas", "unfolded_triton", "unfolded_skinny", "folded", "folded_torch", "folded_triton", "folded_skinny",
+    "unfolded_cublas",
+    "unfolded_triton",
+    "unfolded_skinny",
+    "folded",
+    "folded_torch",
+    "folded_triton",
+    "folded_skinny",
     "routed",
-    "folded_fp8", "folded_fp8_triton", "folded_fp8_skinny", "fp8_routed", "path_unfolded", "path_routed",
+    "folded_fp8",
+    "folded_fp8_triton",
+    "folded_fp8_skinny",
+    "fp8_routed",
+    "path_unfolded",
+    "path_routed",
     "path_fp8_routed",
-)  # fmt: skip
+)
 SCHEMA_VERSION = 4
 COLUMNS = {
     "unfolded_us": "the fastest of unfolded_cublas_us, unfolded_triton_us and unfolded_skinny_us at this M "
@@ -505,7 +516,9 @@ def routing_ratio(r: dict, folded: str, routed: str) -> float:
 
 def bench_threshold(records: list[dict], folded: str) -> int:
     """The threshold this run's own timings give, by the rule the tuner and the start-up measurement apply."""
-    return decide_fold_max_tokens([(r["M"], r[folded], r["unfolded_us"]) for r in sorted(records, key=lambda r: r["M"])])
+    return decide_fold_max_tokens(
+        [(r["M"], r[folded], r["unfolded_us"]) for r in sorted(records, key=lambda r: r["M"])]
+    )
 
 
 def best_bf16_fold(r: dict) -> float:
@@ -601,9 +614,11 @@ def plot(doc: dict, path: Path) -> None:
         kind = "" if rope is None else (", RoPE" if rope else ", NoPE")
         threshold = thresholds.get((model, tp))
         top.set(
-            xscale="log", yscale="log", ylabel="µs per layer",
+            xscale="log",
+            yscale="log",
+            ylabel="µs per layer",
             title=f"{model} TP{tp}{kind}" + (f", fold_max_tokens={threshold}" if threshold is not None else ""),
-        )  # fmt: skip
+        )
         if threshold:
             for ax in (top, bottom):
                 ax.axvline(threshold, color="black", linewidth=0.6, alpha=0.5)

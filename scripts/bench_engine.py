@@ -68,8 +68,9 @@ def build(family: str, root: Path) -> dict[str, Path]:
     from foldckpt.model.synthetic import make_checkpoint
 
     if family == "k3":
-        source = make_checkpoint(root / "k3", "kimi_k3", layers=LAYERS, mtp_layers=0, all_mla=True,
-                                 bf16_experts=True, dims=_dims(family))  # fmt: skip
+        source = make_checkpoint(
+            root / "k3", "kimi_k3", layers=LAYERS, mtp_layers=0, all_mla=True, bf16_experts=True, dims=_dims(family)
+        )
     else:
         source = make_checkpoint(root / "ds", "deepseek_v3", layers=LAYERS, dims=_dims(family))
     dirs = {"stock": source}
@@ -85,11 +86,18 @@ def job(spec: dict[str, Any]) -> dict[str, Any]:
 
     started = time.monotonic()
     options = {"language_model_only": True} if spec["family"] == "k3" else {}
-    llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=INPUT_LEN + OUTPUT_LEN + 16, seed=0,
-              max_num_seqs=max(CONCURRENCY), gpu_memory_utilization=0.6, disable_log_stats=False,
-              enable_prefix_caching=False,
-              compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, 8, 16, 32, *CONCURRENCY})},
-              **options)  # fmt: skip
+    llm = LLM(
+        model=spec["model"],
+        dtype="bfloat16",
+        max_model_len=INPUT_LEN + OUTPUT_LEN + 16,
+        seed=0,
+        max_num_seqs=max(CONCURRENCY),
+        gpu_memory_utilization=0.6,
+        disable_log_stats=False,
+        enable_prefix_caching=False,
+        compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, 8, 16, 32, *CONCURRENCY})},
+        **options,
+    )
     ready = time.monotonic()
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     warm = [{"prompt_token_ids": [(3 * j) % 251 for j in range(INPUT_LEN)]}]
@@ -107,12 +115,18 @@ def job(spec: dict[str, Any]) -> dict[str, Any]:
                 m = out.metrics
                 ttft.append(m.first_token_latency)
                 tpot.append((m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1))
-        levels.append({
-            "concurrency": c, "output_tok_s": statistics.mean(rates),
-            "tpot_ms": {"mean": 1e3 * statistics.mean(tpot), "p50": 1e3 * statistics.median(tpot),
-                        "p99": 1e3 * sorted(tpot)[round(0.99 * (len(tpot) - 1))]},
-            "ttft_ms": {"mean": 1e3 * statistics.mean(ttft), "p50": 1e3 * statistics.median(ttft)},
-        })  # fmt: skip
+        levels.append(
+            {
+                "concurrency": c,
+                "output_tok_s": statistics.mean(rates),
+                "tpot_ms": {
+                    "mean": 1e3 * statistics.mean(tpot),
+                    "p50": 1e3 * statistics.median(tpot),
+                    "p99": 1e3 * sorted(tpot)[round(0.99 * (len(tpot) - 1))],
+                },
+                "ttft_ms": {"mean": 1e3 * statistics.mean(ttft), "p50": 1e3 * statistics.median(ttft)},
+            }
+        )
     return {"startup_s": ready - started, "levels": levels}
 
 
@@ -125,8 +139,14 @@ def run_variant(family: str, variant: str, model: Path, workdir: Path, log_dir: 
     if variant == "stock":
         env["VLLM_PLUGINS"] = ""
         env["PYTHONPATH"] = os.environ.get("VLLM_STOCK_PATH", env.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, __file__, "--job", str(spec_path), str(out_path)], env=env,
-                          capture_output=True, text=True, check=False, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, __file__, "--job", str(spec_path), str(out_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
     log = proc.stdout + proc.stderr
     (log_dir / f"bench-{family}-{variant}.log").write_text(log)
     if proc.returncode != 0:
@@ -149,13 +169,16 @@ def summarize(family: str, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             saving_ms = s["tpot_ms"]["mean"] - f["tpot_ms"]["mean"]
             per_layer_us = 1e3 * saving_ms / LAYERS
             full = FULL_MLA_LAYERS[family]
-            rows.append({
-                "concurrency": s["concurrency"],
-                "throughput_gain_pct": 100 * (f["output_tok_s"] / s["output_tok_s"] - 1),
-                "tpot_saving_ms": saving_ms, "saving_per_mla_layer_step_us": per_layer_us,
-                "projected_full_model_saving_per_step_us": per_layer_us * full,
-                "projected_full_model_gain_pct_upper": 100 * saving_ms / s["tpot_ms"]["mean"],
-            })  # fmt: skip
+            rows.append(
+                {
+                    "concurrency": s["concurrency"],
+                    "throughput_gain_pct": 100 * (f["output_tok_s"] / s["output_tok_s"] - 1),
+                    "tpot_saving_ms": saving_ms,
+                    "saving_per_mla_layer_step_us": per_layer_us,
+                    "projected_full_model_saving_per_step_us": per_layer_us * full,
+                    "projected_full_model_gain_pct_upper": 100 * saving_ms / s["tpot_ms"]["mean"],
+                }
+            )
         out[variant] = rows
     return out
 
@@ -177,19 +200,31 @@ def main() -> None:
     log_dir = args.log_dir or args.workdir
     log_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "vllm": version("vllm"),
-        "method": __doc__, "layers": LAYERS, "input_len": INPUT_LEN, "output_len": OUTPUT_LEN,
-        "concurrency": list(CONCURRENCY), "rounds": ROUNDS, "models": {},
-    }  # fmt: skip
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "vllm": version("vllm"),
+        "method": __doc__,
+        "layers": LAYERS,
+        "input_len": INPUT_LEN,
+        "output_len": OUTPUT_LEN,
+        "concurrency": list(CONCURRENCY),
+        "rounds": ROUNDS,
+        "models": {},
+    }
     for family in args.models.split(","):
         dirs = build(family, args.workdir / "models")
         runs: dict[str, Any] = {}
         for variant in VARIANTS:  # written after each engine: a timeout keeps what finished
             runs[variant] = run_variant(family, variant, dirs[variant], args.workdir, log_dir)
-            report["models"][family] = {"geometry": {k: v for k, v in vars(_dims(family)).items()},
-                                        "runs": runs, "summary": summarize(family, runs)}  # fmt: skip
+            report["models"][family] = {
+                "geometry": {k: v for k, v in vars(_dims(family)).items()},
+                "runs": runs,
+                "summary": summarize(family, runs),
+            }
             args.out.write_text(json.dumps(report, indent=1))
-            print(f"bench {family} {variant}: {json.dumps(runs[variant].get('levels', runs[variant]))[:400]}", flush=True)
+            print(
+                f"bench {family} {variant}: {json.dumps(runs[variant].get('levels', runs[variant]))[:400]}", flush=True
+            )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ _FLAGS = ("sha_ni", "avx2", "avx512f", "avx512_bf16", "amx_tile")
 def machine() -> dict[str, Any]:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     lines = cpuinfo.splitlines()
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor())
+    model = next(
+        (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor()
+    )
     flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
     return {
         "cpu": model,

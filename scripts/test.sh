@@ -5,4 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh --vllm
-exec "${FOLDCKPT_VENV:-.venv}/bin/python" -m pytest -m "not gpu" "$@"
+VENV="${FOLDCKPT_VENV:-.venv}"
+echo "test: ruff format --check and ruff check (configuration in pyproject.toml)"
+"$VENV/bin/ruff" format --check foldckpt tests scripts
+"$VENV/bin/ruff" check foldckpt tests scripts
+exec "$VENV/bin/python" -m pytest -m "not gpu" "$@"

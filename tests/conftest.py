@@ -32,8 +32,12 @@ def run_foldckpt(*args: str | Path, timeout: float = 300, **kwargs: object) -> s
     """Run the real command line in a subprocess (exit codes and stderr as a user sees them)."""
     return subprocess.run(
         [sys.executable, "-m", "foldckpt", *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, check=False, **kwargs,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        **kwargs,
+    )
 
 
 def direct_io_supported(folder: Path) -> bool:
@@ -65,7 +69,9 @@ def make_model(tmp_path: Path) -> Callable[..., Path]:
 def converted(tmp_path: Path, make_model: Callable[..., Path]) -> Callable[..., tuple[Path, Path]]:
     """Factory: a synthetic checkpoint and its conversion; returns (model_dir, out_dir)."""
 
-    def factory(family: str = "deepseek_v3", options: ConvertOptions | None = None, **kwargs: object) -> tuple[Path, Path]:
+    def factory(
+        family: str = "deepseek_v3", options: ConvertOptions | None = None, **kwargs: object
+    ) -> tuple[Path, Path]:
         model_dir = make_model(family, **kwargs)
         out_dir = tmp_path / f"{model_dir.name}-folded"
         convert(model_dir, out_dir, options or ConvertOptions(progress=False))
@@ -83,8 +89,10 @@ def small_filesystem(tmp_path: Path) -> Iterator[Path]:
         ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)], capture_output=True, text=True
     )
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs for a real ENOSPC ({mounted.stderr.strip()}); "
-                    "the EFBIG test covers the same error path")  # fmt: skip
+        pytest.skip(
+            f"cannot mount a small tmpfs for a real ENOSPC ({mounted.stderr.strip()}); "
+            "the EFBIG test covers the same error path"
+        )
     try:
         yield mount_point
     finally:

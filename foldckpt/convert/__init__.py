@@ -153,7 +153,10 @@ def _output_parameters(plan: ConversionPlan, options: ConvertOptions) -> dict[st
 
 
 def _manifest(
-    plan: ConversionPlan, journal: Journal, parameters: dict[str, Any], source: dict[str, Any] | None,
+    plan: ConversionPlan,
+    journal: Journal,
+    parameters: dict[str, Any],
+    source: dict[str, Any] | None,
     generated: tuple[str, ...] = (),
 ) -> Manifest:
     tensors = {
@@ -244,14 +247,24 @@ def preflight(model_dir: Path | ModelSource, out_dir: Path, options: ConvertOpti
     copied = copy_bytes(plan, placement)
     layers_done = len(plan.layers) if found.manifest else found.journal.layers_done() if found.journal else 0
     return Preflight(
-        plan, origin, out_dir, found.state, placement, sidecar_bytes, copied, free, layers_done, key, identity,
-        parameters, generated, device,
-    )  # fmt: skip
+        plan,
+        origin,
+        out_dir,
+        found.state,
+        placement,
+        sidecar_bytes,
+        copied,
+        free,
+        layers_done,
+        key,
+        identity,
+        parameters,
+        generated,
+        device,
+    )
 
 
-def convert(
-    model_dir: Path | ModelSource, out_dir: Path, options: ConvertOptions = ConvertOptions()
-) -> ConvertResult:
+def convert(model_dir: Path | ModelSource, out_dir: Path, options: ConvertOptions = ConvertOptions()) -> ConvertResult:
     """Fold every MLA layer of ``model_dir`` into sidecars in ``out_dir`` (resumable, idempotent).
 
     ``model_dir`` is a directory, or a :class:`~foldckpt.model.hub.ModelSource` (a Hugging Face cache
@@ -281,11 +294,21 @@ def _convert_locked(pre: Preflight, options: ConvertOptions, started: float) -> 
         manifest = read_manifest(out_dir)
         layers = _outcomes(plan, manifest, {layer.output.name: "up_to_date" for layer in plan.layers})
         return ConvertResult(
-            out_dir, True, len(plan.layers), 0, 0, sidecars, plan.fold_bytes,
+            out_dir,
+            True,
+            len(plan.layers),
+            0,
+            0,
+            sidecars,
+            plan.fold_bytes,
             max_rel_error=_worst(layer.rel_fro_error for layer in layers),
-            elapsed_s=time.monotonic() - started, layers=layers, model=origin.label, source=source,
-            fold_device=device, replaced=tuple(replaced),
-        )  # fmt: skip
+            elapsed_s=time.monotonic() - started,
+            layers=layers,
+            model=origin.label,
+            source=source,
+            fold_device=device,
+            replaced=tuple(replaced),
+        )
     remove_stale_tmp_files(out_dir, keep={tmp_path_for(out_dir / name) for name in journal.shards})
     if repaired:  # more to write than the preflight counted (which, made again now, would count the journal too)
         names, sidecar_bytes = to_place(plan, out_dir, journal, options.link)

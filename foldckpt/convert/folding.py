@@ -48,9 +48,6 @@ if TYPE_CHECKING:
     from foldckpt.convert.layer import Fetch, FoldRing
 
 
-
-
-
 def _fold_order(plan: ConversionPlan, journal: Journal) -> list[LayerPlan]:
     """The layers still to fold, in sidecar order."""
     return [
@@ -61,15 +58,24 @@ def _fold_order(plan: ConversionPlan, journal: Journal) -> list[LayerPlan]:
         if layer.output.name not in journal.shard(shard.name).tensors
     ]
 
+
 def _source_reads(
-    plan: ConversionPlan, out_dir: Path, journal: Journal, todo: list[LayerPlan], counters: IOCounters, bar: Any,
-    priority: DiskPriority, device: str,
-) -> SourceReads:  # fmt: skip
+    plan: ConversionPlan,
+    out_dir: Path,
+    journal: Journal,
+    todo: list[LayerPlan],
+    counters: IOCounters,
+    bar: Any,
+    priority: DiskPriority,
+    device: str,
+) -> SourceReads:
     """The hashing passes of this run: every placed file not hashed yet, those feeding the first
     layers to fold first (then the largest), so that the fold waits as little as possible; a fold
     on ``device`` other than the CPU releases its inputs itself, once they are there."""
     inputs = {(file, info.name): info for layer in plan.layers for file, info in layer.input_tensors()}
-    wanted = {(file, info.name): position for position, layer in enumerate(todo) for file, info in layer.input_tensors()}
+    wanted = {
+        (file, info.name): position for position, layer in enumerate(todo) for file, info in layer.input_tensors()
+    }
     recorded = {
         (source["file"], source["name"]): source["blake3"]
         for progress in journal.shards.values()
@@ -89,9 +95,18 @@ def _source_reads(
             journal.save()
 
     return SourceReads(
-        out_dir, {n: sizes[n] for n in order}, inputs, wanted, recorded, on_hashed, bar.update, counters,
-        priority=priority, fold_releases=device != "cpu",
-    )  # fmt: skip
+        out_dir,
+        {n: sizes[n] for n in order},
+        inputs,
+        wanted,
+        recorded,
+        on_hashed,
+        bar.update,
+        counters,
+        priority=priority,
+        fold_releases=device != "cpu",
+    )
+
 
 def hash_and_fold(
     plan: ConversionPlan, out_dir: Path, journal: Journal, options: ConvertOptions, counters: IOCounters, device: str
@@ -129,14 +144,24 @@ def hash_and_fold(
                         fold_bar.update(len(shard.layers))
                         continue
                     folded += _write_shard(
-                        plan, shard, out_dir, journal, options, (reads.take, reads.release, device, ring), counters,
-                        leaf_pool, write_pool, fold_bar, priority,
-                    )  # fmt: skip
+                        plan,
+                        shard,
+                        out_dir,
+                        journal,
+                        options,
+                        (reads.take, reads.release, device, ring),
+                        counters,
+                        leaf_pool,
+                        write_pool,
+                        fold_bar,
+                        priority,
+                    )
                 reads.wait()
         except BaseException:
             reads.stop()
             raise
     return folded
+
 
 @contextmanager
 def _collector_paused() -> Iterator[None]:
@@ -154,6 +179,7 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
 
 def _write_shard(
     plan: ConversionPlan,
@@ -181,9 +207,10 @@ def _write_shard(
     if progress.offset == 0:
         counters.add(written=writer.offset)
     if (
-        writer.offset != progress.offset or not _journal_matches_layout(writer, progress, shard)
+        writer.offset != progress.offset
+        or not _journal_matches_layout(writer, progress, shard)
         or not _prefix_intact(writer, progress, plan.geometry.num_heads)
-    ):  # fmt: skip
+    ):
         with journal.lock:  # nothing usable on disk: start the shard over
             progress.tensors.clear()
             progress.offset = writer.restart()
@@ -236,6 +263,7 @@ def _write_shard(
         writer.close()
         counters.add(staged=writer.staged)
     return folded
+
 
 class _SidecarWrites:
     """The write thread's work for one shard, in order: each fold chunk written as the fold hands it
@@ -301,6 +329,7 @@ class _SidecarWrites:
         if self._failure is not None:
             raise self._failure
 
+
 def _journal_matches_layout(writer: ShardWriter, progress: ShardProgress, shard: ShardPlan) -> bool:
     """Whether the journal's folds of a resumed shard are its first layers and its offset is where
     they end. An edited journal said otherwise (one fold dropped, the offset kept): the resumed run
@@ -310,6 +339,7 @@ def _journal_matches_layout(writer: ShardWriter, progress: ShardProgress, shard:
         return False
     end = writer.layout[shard.layers[kept - 1].outputs[-1].name].end if kept else writer.header_size
     return progress.offset == end
+
 
 def _prefix_intact(writer: ShardWriter, progress: ShardProgress, heads: int) -> bool:
     """Whether the folds a resumed shard keeps still hold their journaled head digests (the

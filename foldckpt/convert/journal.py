@@ -22,7 +22,6 @@ from foldckpt.format.manifest import FORMAT_VERSION, Manifest
 from foldckpt.io.files import atomic_write_json, parse_json
 
 
-
 def run_identity(files: tuple[str, ...] | list[str], parameters: dict[str, Any]) -> dict[str, Any]:
     """Identity of a conversion: the tool, the output-shaping parameters and the names of the
     files OUT_DIR holds (what :func:`run_key` digests, and what a refusal compares field by field).
@@ -68,7 +67,10 @@ def differences(old: dict[str, Any] | None, new: dict[str, Any], limit: int = 3)
         if before.get(name) != now.get(name):
             found.append(f"{name}: {_shown(before.get(name))} in OUT_DIR, {_shown(now.get(name))} now")
     before_files, now_files = set(old.get("sources") or ()), set(new["sources"])
-    for names, what in ((before_files - now_files, "not in the model now"), (now_files - before_files, "new in the model")):
+    for names, what in (
+        (before_files - now_files, "not in the model now"),
+        (now_files - before_files, "new in the model"),
+    ):
         if names:
             shown = sorted(names)
             found.append(f"source files {what}: {', '.join(shown[:limit])}{' ...' if len(shown) > limit else ''}")
@@ -122,8 +124,7 @@ class Journal:
                 "layers": self.layers,
                 "placed": self.placed,
                 "shards": {
-                    name: {"offset": s.offset, "tensors": s.tensors, "done": s.done}
-                    for name, s in self.shards.items()
+                    name: {"offset": s.offset, "tensors": s.tensors, "done": s.done} for name, s in self.shards.items()
                 },
                 "source_hashes": self.source_hashes,
                 "fingerprints": self.fingerprints,
@@ -156,6 +157,4 @@ class Journal:
                 fingerprints=dict(data.get("fingerprints", {})),
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # any shape but the right one
-            raise FoldckptError(
-                f"{path}: unreadable resume journal ({exc}); pass --restart to start over"
-            ) from None
+            raise FoldckptError(f"{path}: unreadable resume journal ({exc}); pass --restart to start over") from None

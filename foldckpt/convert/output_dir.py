@@ -55,9 +55,6 @@ if TYPE_CHECKING:
     pass
 
 
-
-
-
 def _previous_run(out_dir: Path, placed: Iterable[str]) -> dict[str, bool]:
     """What clearing an earlier run removes (name: whether it may be a symlink), checked: its
     sidecars, the source files it placed (``placed``: links or copies inside OUT_DIR, never the
@@ -73,11 +70,13 @@ def _previous_run(out_dir: Path, placed: Iterable[str]) -> dict[str, bool]:
     entries.update({JOURNAL_NAME: False, MANIFEST_NAME: False})
     return {name: links for name, links in entries.items() if check_removable(out_dir, name, links)}
 
+
 def _remove(path: Path) -> None:
     try:
         path.unlink()
     except OSError as exc:
         raise os_error(path, exc, "removing") from None
+
 
 def _holds_foreign_files(out_dir: Path) -> bool:
     """Whether ``out_dir`` has entries other than temporary files, which are all that a run killed
@@ -86,6 +85,7 @@ def _holds_foreign_files(out_dir: Path) -> bool:
         return out_dir.exists() and any(not is_tmp_path(p) for p in out_dir.iterdir())
     except OSError as exc:  # a file, or an unreadable directory
         raise os_error(out_dir, exc, "listing the output directory") from None
+
 
 def generated_files(plan: ConversionPlan) -> dict[str, bytes]:
     """Files OUT_DIR gets that MODEL_DIR lacks. A source without a safetensors index (a single
@@ -99,6 +99,7 @@ def generated_files(plan: ConversionPlan) -> dict[str, bytes]:
     index = {"metadata": {"total_size": total, "generated_by": "foldckpt"}, "weight_map": weight_map}
     return {INDEX_NAME: (json.dumps(index, indent=2) + "\n").encode()}
 
+
 def check_overlap(model_dir: Path, out_dir: Path) -> None:
     """Refuse an OUT_DIR that is, contains, or lies inside MODEL_DIR, by path and by identity
     (device and inode): through a bind mount the same directory has a path of its own, and
@@ -110,6 +111,7 @@ def check_overlap(model_dir: Path, out_dir: Path) -> None:
             f"{out_dir}: the output must not be, contain, or lie inside the model directory {model_dir}"
         )
 
+
 def _identity(path: Path) -> tuple[int, int] | None:
     try:
         status = path.stat()
@@ -117,9 +119,11 @@ def _identity(path: Path) -> tuple[int, int] | None:
         return None
     return status.st_dev, status.st_ino
 
+
 def _identities(path: Path) -> set[tuple[int, int]]:
     """The identities of ``path`` and of each of its parents that exist."""
     return {identity for identity in map(_identity, [path, *path.parents]) if identity is not None}
+
 
 def _changed_source(out_dir: Path, src_path: Path, name: str, recorded: str, finished: bool) -> FoldckptError:
     what = "finished conversion" if finished else "unfinished conversion"
@@ -130,6 +134,7 @@ def _changed_source(out_dir: Path, src_path: Path, name: str, recorded: str, fin
         f"restore the file, or {advice}"
     )
 
+
 def _holds(path: Path, cheap: bool, sha256: str | None) -> bool:
     """Whether ``path`` holds the bytes whose sha256 is recorded: ``cheap`` evidence (an unchanged
     fingerprint) is trusted, else the file is hashed."""
@@ -138,6 +143,7 @@ def _holds(path: Path, cheap: bool, sha256: str | None) -> bool:
     if cheap:
         return True
     return sha256 is not None and sha256_file(path) == sha256
+
 
 def recheck_journal(plan: ConversionPlan, out_dir: Path, journal: Journal, generated: dict[str, bytes]) -> list[str]:
     """Check that every file the journal says is placed still holds the recorded bytes, in OUT_DIR
@@ -183,12 +189,14 @@ def recheck_journal(plan: ConversionPlan, out_dir: Path, journal: Journal, gener
             redo.append(shard.name)
     return redo
 
+
 def _sidecar_holds(path: Path, progress: ShardProgress, plan: ConversionPlan) -> bool:
     """Whether a finished sidecar the journal records still holds its bytes (hashed: its
     fingerprint changed)."""
     assert progress.done is not None
     folds = [FoldTensor.from_dict(name, record) for name, record in progress.tensors.items()]
     return sidecar_intact(path, SidecarRecord.from_dict(progress.done), folds, plan.geometry.num_heads)
+
 
 def _recheck_manifest(
     plan: ConversionPlan, out_dir: Path, manifest: Manifest, key: str, generated: dict[str, bytes]
@@ -242,6 +250,7 @@ def _recheck_manifest(
     remove_placed(out_dir, {name: False for name in damaged if name in manifest.sidecars})
     return journal, damaged
 
+
 @dataclass(frozen=True)
 class OutDirState:
     """What OUT_DIR holds for a run of one run key, read without changing anything: ``new`` (no
@@ -254,6 +263,7 @@ class OutDirState:
     journal: Journal | None = None
     manifest: Manifest | None = None
     clear: dict[str, bool] = field(default_factory=dict)
+
 
 def find_previous_run(out_dir: Path, key: str, identity: dict[str, Any], options: ConvertOptions) -> OutDirState:
     """Decide between a fresh run, a resume (or repair), "already done", or clearing an earlier
@@ -288,10 +298,15 @@ def find_previous_run(out_dir: Path, key: str, identity: dict[str, Any], options
         )
     return OutDirState("empty")
 
+
 def prepare_out_dir(
-    plan: ConversionPlan, out_dir: Path, key: str, identity: dict[str, Any], generated: dict[str, bytes],
+    plan: ConversionPlan,
+    out_dir: Path,
+    key: str,
+    identity: dict[str, Any],
+    generated: dict[str, bytes],
     options: ConvertOptions,
-) -> tuple[Journal | None, list[str]]:  # fmt: skip
+) -> tuple[Journal | None, list[str]]:
     """Act on what OUT_DIR holds (:func:`find_previous_run`, again under the lock). Returns the journal of the
     run (None: already done) and the names found damaged (to be redone)."""
     found = find_previous_run(out_dir, key, identity, options)
@@ -311,6 +326,7 @@ def prepare_out_dir(
     journal.save()  # before any other file: a killed run must leave an OUT_DIR that reads as ours
     return journal, []
 
+
 def check_writable(out_dir: Path) -> None:
     """Refuse an OUT_DIR that cannot be written (or, not there yet, made): a read-only filesystem
     or no write permission, said before anything is written (the journal's first save failed)."""
@@ -323,6 +339,7 @@ def check_writable(out_dir: Path) -> None:
         return
     action = "writing" if folder == out_dir else f"creating {out_dir}"
     raise os_error(folder, OSError(problem, os.strerror(problem)), action)
+
 
 def make_out_dir(out_dir: Path) -> list[tuple[Path, tuple[int, int] | None]]:
     """Create OUT_DIR (and missing parents); returns the folders created, deepest first, each with
@@ -337,6 +354,7 @@ def make_out_dir(out_dir: Path) -> list[tuple[Path, tuple[int, int] | None]]:
     except OSError as exc:
         raise os_error(out_dir, exc, "creating the output directory") from None
     return [(folder, _identity(folder)) for folder in missing]
+
 
 def undo_creation(out_dir: Path, created: list[tuple[Path, tuple[int, int] | None]]) -> None:
     """After a refusal, remove the OUT_DIR this run created while it holds nothing durable (a

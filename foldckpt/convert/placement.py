@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     pass
 
 
-
 from foldckpt.convert.output_dir import OutDirState
 
 
@@ -51,6 +50,7 @@ def to_place(plan: ConversionPlan, out_dir: Path, found: OutDirState | Journal, 
         model_dir = plan.source.model_dir
         return _placed_otherwise(plan.files_to_place, link, lambda n: how_placed(out_dir / n, model_dir / n)), 0
     return list(plan.files_to_place), plan.sidecar_bytes
+
 
 def plan_placement(plan: ConversionPlan, out_dir: Path, names: list[str], link: str) -> dict[str, str]:
     """How each source file of ``names`` will be placed: ``hard``, ``copy`` or ``symlink``. ``auto``
@@ -69,11 +69,13 @@ def plan_placement(plan: ConversionPlan, out_dir: Path, names: list[str], link: 
             raise vanished(source) from None
         if not same and link == "hard":
             raise FoldckptError.at(
-                source, f"on another filesystem than {out_dir}: --link hard cannot link across filesystems; "
-                "use --link auto (copies such files) or --link copy"
-            )  # fmt: skip
+                source,
+                f"on another filesystem than {out_dir}: --link hard cannot link across filesystems; "
+                "use --link auto (copies such files) or --link copy",
+            )
         placement[name] = "hard" if same else "copy"
     return placement
+
 
 def require_free_space(plan: ConversionPlan, out_dir: Path, sidecar_bytes: int, placement: dict[str, str]) -> int:
     """Refuse before writing when OUT_DIR's filesystem cannot hold ``sidecar_bytes`` plus the
@@ -86,13 +88,19 @@ def require_free_space(plan: ConversionPlan, out_dir: Path, sidecar_bytes: int, 
         )
     return free
 
+
 def copy_bytes(plan: ConversionPlan, placement: dict[str, str]) -> int:
     return sum(file_size(plan.source.model_dir / name) for name, how in placement.items() if how == "copy")
 
+
 def place_sources(
-    plan: ConversionPlan, out_dir: Path, journal: Journal, options: ConvertOptions, generated: dict[str, bytes],
+    plan: ConversionPlan,
+    out_dir: Path,
+    journal: Journal,
+    options: ConvertOptions,
+    generated: dict[str, bytes],
     counters: IOCounters,
-) -> None:  # fmt: skip
+) -> None:
     """Place every source file (and write the generated ones), journaling each with the
     fingerprints that later runs check it against."""
     otherwise = set(_placed_otherwise(journal.placed, options.link, journal.placed.__getitem__))
@@ -107,7 +115,10 @@ def place_sources(
             if how == "copy":
                 counters.add(read=size, written=size, copied=size)
             journal.placed[name] = how
-            journal.fingerprints[name] = {"out": fingerprint(out_dir / name), "src": fingerprint(plan.source.model_dir / name)}
+            journal.fingerprints[name] = {
+                "out": fingerprint(out_dir / name),
+                "src": fingerprint(plan.source.model_dir / name),
+            }
             journal.save()
     for name, data in generated.items():
         if name in journal.placed and (out_dir / name).exists():
@@ -119,6 +130,7 @@ def place_sources(
         journal.fingerprints[name] = {"out": fingerprint(out_dir / name), "src": None}
         journal.save()
 
+
 def _placed_otherwise(names: Iterable[str], link: str, how: Callable[[str], str]) -> list[str]:
     """The placed files (of ``names``; ``how(name)``: hard, copy, symlink or generated) that an
     explicit ``--link`` wants placed another way (``auto`` takes any). Why: a rerun with ``--link
@@ -127,6 +139,7 @@ def _placed_otherwise(names: Iterable[str], link: str, how: Callable[[str], str]
     if link == "auto":
         return []
     return [name for name in names if how(name) not in (link, "generated")]
+
 
 def replace_placed_otherwise(plan: ConversionPlan, out_dir: Path, link: str) -> list[str]:
     """In a finished output (just rechecked: every file holds the bytes its manifest records),

@@ -140,18 +140,22 @@ def _source_weight(
     path, where = source.model_dir / file, f"tensor '{name}'"
     if info.shape != shape:
         raise FoldckptError.at(
-            path, f"{where} has shape {list(info.shape)} but config.json implies {list(shape)} "
+            path,
+            f"{where} has shape {list(info.shape)} but config.json implies {list(shape)} "
             f"(heads={geometry.num_heads}, q_lora_rank={geometry.q_lora_rank}, "
             f"kv_lora_rank={geometry.kv_lora_rank}, qk_nope={geometry.qk_nope_head_dim}, "
-            f"qk_rope={geometry.qk_rope_head_dim}, v_head={geometry.v_head_dim}); config and weights disagree", name,
-        )  # fmt: skip
+            f"qk_rope={geometry.qk_rope_head_dim}, v_head={geometry.v_head_dim}); config and weights disagree",
+            name,
+        )
     if info.dtype in _DIRECT_DTYPES:
         return SourceWeight(name, file, info)
     if info.dtype != _FP8_DTYPE:
         raise FoldckptError.at(
-            path, f"{where} has dtype {info.dtype}; foldckpt folds bf16/fp16/fp32 and fp8 e4m3 with "
-            "128x128 weight_scale_inv blocks only", name,
-        )  # fmt: skip
+            path,
+            f"{where} has dtype {info.dtype}; foldckpt folds bf16/fp16/fp32 and fp8 e4m3 with "
+            "128x128 weight_scale_inv blocks only",
+            name,
+        )
     scale_name = f"{name}_scale_inv"
     scale = source.locate(scale_name)
     if scale is None:
@@ -164,9 +168,11 @@ def _source_weight(
     expected = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
     if scale[1].shape != expected:
         raise FoldckptError.at(
-            source.model_dir / scale[0], f"tensor '{scale_name}' has shape {list(scale[1].shape)}, "
-            f"expected {list(expected)} for {block[0]}x{block[1]} blocks", scale_name,
-        )  # fmt: skip
+            source.model_dir / scale[0],
+            f"tensor '{scale_name}' has shape {list(scale[1].shape)}, "
+            f"expected {list(expected)} for {block[0]}x{block[1]} blocks",
+            scale_name,
+        )
     return SourceWeight(name, file, info, scale=(scale[0], scale[1]), block=block)
 
 
@@ -184,9 +190,7 @@ def _pack_shards(layers: list[LayerPlan], max_shard_size: int) -> tuple[ShardPla
             groups.append([layer])
         else:
             groups[-1] = candidate
-    return tuple(
-        ShardPlan(sidecar_name(i + 1, len(groups)), tuple(group)) for i, group in enumerate(groups)
-    )
+    return tuple(ShardPlan(sidecar_name(i + 1, len(groups)), tuple(group)) for i, group in enumerate(groups))
 
 
 def resolve_tp_sizes(geometry: Geometry, tp_sizes: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -196,9 +200,7 @@ def resolve_tp_sizes(geometry: Geometry, tp_sizes: tuple[int, ...] | None) -> tu
         if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
             raise FoldckptError(f"--tp {tp}: not a tensor-parallel size; give positive integers such as --tp 1,2,4,8")
         if geometry.num_heads % tp:
-            raise FoldckptError(
-                f"--tp {tp}: does not divide the model's {geometry.num_heads} attention heads"
-            )
+            raise FoldckptError(f"--tp {tp}: does not divide the model's {geometry.num_heads} attention heads")
     return tuple(sorted(set(tp_sizes)))
 
 
@@ -212,9 +214,10 @@ def _refuse_foldckpt_output(model_dir: Path) -> None:
     found = [name for name in marks if (model_dir / name).exists()]
     if found:
         raise FoldckptError.at(
-            model_dir, f"is a foldckpt output (holds {found[0]}), not a model to convert; "
+            model_dir,
+            f"is a foldckpt output (holds {found[0]}), not a model to convert; "
             "convert the original model it was made from (it already serves folded and unfolded)",
-        )  # fmt: skip
+        )
 
 
 def plan_conversion(
@@ -249,7 +252,8 @@ def plan_conversion(
             kv_b_proj=_source_weight(source, geometry, layer, layer.kv_b_proj, geometry.kv_b_proj_shape),
             output=TensorSpec(layer.q_fold, out_dtype, geometry.fold_shape),
             scale_output=TensorSpec(layer.q_fold_scale, FOLD_SCALE_DTYPE, (geometry.fold_shape[0],))
-            if fold_dtype in SCALED_FOLD_DTYPES else None,
+            if fold_dtype in SCALED_FOLD_DTYPES
+            else None,
         )
         for layer in geometry.layers
     ]

@@ -104,10 +104,14 @@ class IOCounters:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "bytes_read": self.read, "bytes_reread": self.reread, "bytes_hashed": self.hashed,
-            "bytes_written": self.written, "bytes_copied": self.copied, "bytes_staged": self.staged,
+            "bytes_read": self.read,
+            "bytes_reread": self.reread,
+            "bytes_hashed": self.hashed,
+            "bytes_written": self.written,
+            "bytes_copied": self.copied,
+            "bytes_staged": self.staged,
             "stage_busy_s": {stage: round(s, 3) for stage, s in sorted(self.seconds.items())},
-        }  # fmt: skip
+        }
 
 
 class SourceReads:
@@ -275,10 +279,12 @@ class SourceReads:
             for check in checks:
                 if check.expected is not None and ranges[(start, end)] != check.expected:
                     raise FoldckptError.at(
-                        self.out_dir / name, f"tensor '{check.tensor}' changed since an earlier run of this "
+                        self.out_dir / name,
+                        f"tensor '{check.tensor}' changed since an earlier run of this "
                         "conversion folded it (its digest differs from the journaled one); refusing to mix "
-                        "results: restore the file, or pass --restart to start over", check.tensor,
-                    )  # fmt: skip
+                        "results: restore the file, or pass --restart to start over",
+                        check.tensor,
+                    )
         self.on_hashed(name, FileRecord(size, str(whole)))
 
 

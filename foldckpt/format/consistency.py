@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from foldckpt.defaults import JOURNAL_NAME, FOLD_DTYPE_NAMES, FOLD_SCALE_DTYPE, SCALED_FOLD_DTYPES, SIDECAR_PREFIX
+from foldckpt.defaults import FOLD_DTYPE_NAMES, FOLD_SCALE_DTYPE, JOURNAL_NAME, SCALED_FOLD_DTYPES, SIDECAR_PREFIX
 from foldckpt.errors import FoldckptError
-from foldckpt.model.geometry import CONFIG_NAME, read_geometry
+from foldckpt.format.manifest import MANIFEST_NAME, FoldTensor, Manifest, SidecarRecord, SourceTensor
 from foldckpt.io.files import is_tmp_path, os_error
 from foldckpt.io.hashing import HashJob, RangeCheck, hash_job, tensor_digest
-from foldckpt.format.manifest import MANIFEST_NAME, FoldTensor, Manifest, SidecarRecord, SourceTensor
 from foldckpt.io.safetensors_format import SafetensorsHeader, TensorInfo, read_header, read_tensor_bytes
+from foldckpt.model.geometry import CONFIG_NAME, read_geometry
 
 _HEX = frozenset(string.hexdigits.lower())
 
@@ -120,25 +120,39 @@ def manifest_problems(manifest: Manifest) -> list[Problem]:
         if tensor.file not in manifest.sidecars:
             bad(f"tensor '{name}' is said to be in '{tensor.file}', which is not a listed sidecar", name)
         if tensor.shape != geometry.fold_shape or (stored is not None and tensor.dtype != stored):
-            bad(f"fold '{name}' is {tensor.dtype}{list(tensor.shape)}, the geometry and fold dtype imply "
-                f"{stored}{list(geometry.fold_shape)}", name)  # fmt: skip
+            bad(
+                f"fold '{name}' is {tensor.dtype}{list(tensor.shape)}, the geometry and fold dtype imply "
+                f"{stored}{list(geometry.fold_shape)}",
+                name,
+            )
         if len(tensor.head_blake3) != geometry.num_heads or not all(map(is_hex_digest, tensor.head_blake3)):
             bad(f"tensor '{name}': head_blake3 must be {geometry.num_heads} BLAKE3 hex digests, one per head", name)
         scale, expected = tensor.scale, (geometry.fold_shape[0],)
         if (scale is not None) != (manifest.fold_dtype in SCALED_FOLD_DTYPES):
-            bad(f"fold '{name}' {'has' if scale is not None else 'lacks'} a weight_scale, its fold dtype "
-                f"{manifest.fold_dtype} {'has none' if scale is not None else 'needs one'}", name)  # fmt: skip
+            bad(
+                f"fold '{name}' {'has' if scale is not None else 'lacks'} a weight_scale, its fold dtype "
+                f"{manifest.fold_dtype} {'has none' if scale is not None else 'needs one'}",
+                name,
+            )
         elif scale is not None:
             layer = next((layer for layer in geometry.layers if layer.q_fold == name), None)
             if layer is not None and scale.name != layer.q_fold_scale:
                 bad(f"fold '{name}': its weight_scale is named '{scale.name}', not '{layer.q_fold_scale}'", name)
             if (scale.dtype, scale.shape) != (FOLD_SCALE_DTYPE, expected):
-                bad(f"fold '{name}': weight_scale is {scale.dtype}{list(scale.shape)}, expected {FOLD_SCALE_DTYPE}{list(expected)}", name)
+                bad(
+                    f"fold '{name}': weight_scale is {scale.dtype}{list(scale.shape)}, expected {FOLD_SCALE_DTYPE}{list(expected)}",
+                    name,
+                )
             if len(scale.head_blake3) != geometry.num_heads or not all(map(is_hex_digest, scale.head_blake3)):
-                bad(f"tensor '{scale.name}': head_blake3 must be {geometry.num_heads} BLAKE3 hex digests, one per head", scale.name)
+                bad(
+                    f"tensor '{scale.name}': head_blake3 must be {geometry.num_heads} BLAKE3 hex digests, one per head",
+                    scale.name,
+                )
         for source in tensor.sources:
             if source.file not in manifest.source_files:
-                bad(f"tensor '{name}': its source '{source.name}' is in '{source.file}', not a listed source file", name)
+                bad(
+                    f"tensor '{name}': its source '{source.name}' is in '{source.file}', not a listed source file", name
+                )
             if not is_hex_digest(source.blake3):
                 bad(f"tensor '{name}': source '{source.name}' has an invalid BLAKE3 digest {source.blake3!r}", name)
     return problems
@@ -154,9 +168,13 @@ def file_problems(out_dir: Path, manifest: Manifest) -> list[Problem]:
             what = "listed in foldckpt.json but missing" if not path.exists() else "not a regular file"
             problems.append(Problem(name, what))
         elif name in manifest.sidecars and path.is_symlink():
-            problems.append(Problem(name, "a symlink; convert writes sidecars in place (copy the directory with cp -rL)"))
+            problems.append(
+                Problem(name, "a symlink; convert writes sidecars in place (copy the directory with cp -rL)")
+            )
         elif (size := path.stat().st_size) != record.size:
-            problems.append(Problem(name, f"size {size} bytes, {MANIFEST_NAME} records {record.size} (truncated or replaced?)"))
+            problems.append(
+                Problem(name, f"size {size} bytes, {MANIFEST_NAME} records {record.size} (truncated or replaced?)")
+            )
     return problems
 
 
@@ -200,8 +218,13 @@ def unlisted_entries(out_dir: Path, manifest: Manifest, allow: Iterable[str] = (
             if name in listed:
                 vouched = True  # file_problems checks it
             elif name == JOURNAL_NAME:
-                found.append(Problem(name, "the resume journal of a convert that has not finished in this directory: "
-                                           "rerun that convert command to finish it"))  # fmt: skip
+                found.append(
+                    Problem(
+                        name,
+                        "the resume journal of a convert that has not finished in this directory: "
+                        "rerun that convert command to finish it",
+                    )
+                )
             elif any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
                 allowed.append(name)
                 vouched = True
@@ -245,22 +268,31 @@ def sidecar_headers(out_dir: Path, manifest: Manifest) -> tuple[dict[str, Safete
             continue
         headers[name] = header
         if (digest := header_sha256(header)) != manifest.sidecars[name].header_sha256:
-            problems.append(Problem(
-                name, f"header sha256 {digest[:16]}… differs from {manifest.sidecars[name].header_sha256[:16]}… "
-                f"recorded in {MANIFEST_NAME} (the header was edited or replaced)",
-            ))  # fmt: skip
+            problems.append(
+                Problem(
+                    name,
+                    f"header sha256 {digest[:16]}… differs from {manifest.sidecars[name].header_sha256[:16]}… "
+                    f"recorded in {MANIFEST_NAME} (the header was edited or replaced)",
+                )
+            )
         listed = {part.name: part for t in manifest.tensors.values() if t.file == name for part in t.parts()}
         for tensor_name in sorted(set(header.tensors) - set(listed)):
             problems.append(Problem(name, f"tensor '{tensor_name}' is not in {MANIFEST_NAME}", tensor_name))
         for tensor_name, tensor in listed.items():
             info = header.tensors.get(tensor_name)
             if info is None:
-                problems.append(Problem(name, f"tensor '{tensor_name}' listed by {MANIFEST_NAME} is missing", tensor_name))
+                problems.append(
+                    Problem(name, f"tensor '{tensor_name}' listed by {MANIFEST_NAME} is missing", tensor_name)
+                )
             elif (info.dtype, info.shape) != (tensor.dtype, tensor.shape):
-                problems.append(Problem(
-                    name, f"tensor '{tensor_name}' is {info.dtype}{list(info.shape)}, "
-                    f"{MANIFEST_NAME} says {tensor.dtype}{list(tensor.shape)}", tensor_name,
-                ))  # fmt: skip
+                problems.append(
+                    Problem(
+                        name,
+                        f"tensor '{tensor_name}' is {info.dtype}{list(info.shape)}, "
+                        f"{MANIFEST_NAME} says {tensor.dtype}{list(tensor.shape)}",
+                        tensor_name,
+                    )
+                )
     return headers, problems
 
 
@@ -274,7 +306,12 @@ def header_sha256(header: SafetensorsHeader) -> str:
 
 
 def add_head_ranges(
-    job: HashJob, infos: dict[str, TensorInfo], tensors: Iterable[FoldTensor], heads: int, first: int = 0, stop: int | None = None
+    job: HashJob,
+    infos: dict[str, TensorInfo],
+    tensors: Iterable[FoldTensor],
+    heads: int,
+    first: int = 0,
+    stop: int | None = None,
 ) -> None:
     """Add to ``job`` the head blocks ``[first, stop)`` of every fold in ``tensors`` (and of an fp8
     fold's scale) that ``infos`` (the file's header) places, each with its recorded leaf digest."""

@@ -122,14 +122,21 @@ class ScaleTensor:
     head_blake3: tuple[str, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "head_blake3": list(self.head_blake3)}
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "head_blake3": list(self.head_blake3),
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ScaleTensor:
         return cls(
-            str(data["name"]), str(data["dtype"]), tuple(int(d) for d in data["shape"]),
+            str(data["name"]),
+            str(data["dtype"]),
+            tuple(int(d) for d in data["shape"]),
             tuple(str(h) for h in data["head_blake3"]),
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True)
@@ -237,9 +244,12 @@ class Manifest:
                 **({"scale": SCALE_RULE} if self.fold_dtype in SCALED_FOLD_DTYPES else {}),
             },
             "integrity": {
-                "head_blake3": LEAF_RULE, "rank_digest": RANK_RULE, "sources": TENSOR_DIGEST_RULE, "sidecar": SIDECAR_RULE,
+                "head_blake3": LEAF_RULE,
+                "rank_digest": RANK_RULE,
+                "sources": TENSOR_DIGEST_RULE,
+                "sidecar": SIDECAR_RULE,
                 DIGEST_KEY: DIGEST_RULE,
-            },  # fmt: skip
+            },
             "parameters": self.parameters,
             "tensors": {name: t.to_dict() for name, t in self.tensors.items()},
             "sidecars": {name: r.to_dict() for name, r in self.sidecars.items()},
@@ -256,9 +266,7 @@ class Manifest:
             accumulation_dtype=str(fold["accumulation_dtype"]),
             tensors={name: FoldTensor.from_dict(name, t) for name, t in data["tensors"].items()},
             sidecars={n: SidecarRecord.from_dict(r) for n, r in data["sidecars"].items()},
-            source_files={
-                n: FileRecord(int(r["size"]), str(r["sha256"])) for n, r in data["source_files"].items()
-            },
+            source_files={n: FileRecord(int(r["size"]), str(r["sha256"])) for n, r in data["source_files"].items()},
             parameters=dict(data.get("parameters", {})),
             source=dict(data["source"]) if data.get("source") is not None else None,
             generated_files=tuple(str(n) for n in data.get("generated_files", ())),
@@ -346,27 +354,31 @@ def read_manifest(out_dir: Path, expect_sha256: str | None = None) -> Manifest:
     except ValueError as exc:
         raise bad(f"invalid JSON ({exc}); damaged or edited after conversion") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-        raise bad("not a foldckpt manifest (no \"format\": \"foldckpt\")")
+        raise bad('not a foldckpt manifest (no "format": "foldckpt")')
     version, recorded = data.get("format_version"), data.get(DIGEST_KEY)
     # The self-digest first (every format since 2 has it, by the same rule), then the format:
     # the format_version of a current manifest edited to an older one is an edit (a failed check,
     # exit 1), not an old output to reconvert (unusable input, exit 2).
     if version == 1 and recorded is None and "tp_sizes" in data:
         raise FoldckptError.at(
-            path, f"written in manifest format 1 (per-TP rank hashes, no self-digest) by foldckpt "
+            path,
+            f"written in manifest format 1 (per-TP rank hashes, no self-digest) by foldckpt "
             f"{data.get('tool_version')}; foldckpt {__version__} reads format {FORMAT_VERSION} only: "
             "reconvert (foldckpt convert MODEL_DIR OUT_DIR --restart)",
-        )  # fmt: skip
+        )
     if not isinstance(recorded, str) or recorded != manifest_digest(data):
         raise bad(f"its self-digest ({DIGEST_KEY}) does not match its content: edited or damaged after conversion")
     if isinstance(version, int) and version in _OLDER_FORMATS:
         raise FoldckptError.at(
-            path, f"written in manifest format {version} ({_OLDER_FORMATS[version]}) by foldckpt "
+            path,
+            f"written in manifest format {version} ({_OLDER_FORMATS[version]}) by foldckpt "
             f"{data.get('tool_version')}; foldckpt {__version__} reads format {FORMAT_VERSION} only: reconvert "
             "(foldckpt convert MODEL_DIR OUT_DIR --restart)",
-        )  # fmt: skip
+        )
     if version != FORMAT_VERSION:
-        raise bad(f"format_version {version!r} is not one foldckpt {__version__} reads ({FORMAT_VERSION}): edited, or written by another foldckpt")
+        raise bad(
+            f"format_version {version!r} is not one foldckpt {__version__} reads ({FORMAT_VERSION}): edited, or written by another foldckpt"
+        )
     try:
         canonical = encode_manifest(data) == raw
     except (TypeError, ValueError):

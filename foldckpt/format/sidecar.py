@@ -19,9 +19,9 @@ import stat
 from pathlib import Path
 
 from foldckpt.defaults import SIDECAR_HEADER_ALIGN
+from foldckpt.format.manifest import SidecarRecord
 from foldckpt.io.direct_io import DiskPriority, DurableAppender
 from foldckpt.io.files import fsync_dir, os_error, tmp_path_for
-from foldckpt.format.manifest import SidecarRecord
 from foldckpt.io.safetensors_format import TensorInfo, TensorSpec, encode_header
 
 

@@ -200,9 +200,12 @@ class DiskPriority:
 
 
 def read_direct(
-    fd: int, size: int, segments: list[tuple[int, int]], before_transfer: Callable[[], None] | None = None,
+    fd: int,
+    size: int,
+    segments: list[tuple[int, int]],
+    before_transfer: Callable[[], None] | None = None,
     pool: BufferPool | None = None,
-) -> Iterator[tuple[int, memoryview]]:  # fmt: skip
+) -> Iterator[tuple[int, memoryview]]:
     """``(offset, bytes)`` of ``segments`` (clipped to ``size``) read through the direct descriptor
     ``fd`` in aligned ``DIRECT_CHUNK`` transfers, each handed out whole (what a transfer holds of
     a segment), valid until the next.

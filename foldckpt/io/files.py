@@ -44,8 +44,11 @@ LINK_MODES = ("auto", "hard", "copy", "symlink")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_FILE_FLAGS = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
-_DISK_FULL = {errno.ENOSPC: "disk full", errno.EFBIG: "file too large for this filesystem or limit",
-              errno.EDQUOT: "disk quota exceeded"}  # fmt: skip
+_DISK_FULL = {
+    errno.ENOSPC: "disk full",
+    errno.EFBIG: "file too large for this filesystem or limit",
+    errno.EDQUOT: "disk quota exceeded",
+}
 
 
 @contextmanager

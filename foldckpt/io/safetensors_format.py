@@ -34,12 +34,27 @@ _HEADER_ALIGN = 8
 # Bits per element of every dtype the safetensors format defines (sizes are needed to validate
 # offsets even for tensors we never read, e.g. MXFP4 expert weights).
 DTYPE_BITS: dict[str, int] = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
-    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32,
-    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
-}  # fmt: skip
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
+}
 
 # safetensors dtype -> the name of the torch dtype that reads it (:data:`foldckpt.tensors.TORCH_DTYPES`).
 TORCH_DTYPE_NAMES: dict[str, str] = {
@@ -94,9 +109,7 @@ def _parse_entry(path: Path, name: str, entry: Any, data_start: int) -> TensorIn
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if dtype not in DTYPE_BITS:
         raise _bad(path, f"tensor '{name}' has unknown dtype {dtype!r}", name)
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise _bad(path, f"tensor '{name}' has an invalid shape {shape!r}", name)
     if (
         not isinstance(offsets, list)
@@ -133,9 +146,7 @@ def read_header(path: Path) -> SafetensorsHeader:
             if header_size > MAX_HEADER_BYTES:
                 raise _bad(path, f"header length {header_size} exceeds the {MAX_HEADER_BYTES}-byte limit")
             if 8 + header_size > file_size:
-                raise _bad(
-                    path, f"header length {header_size} runs past the end of the {file_size}-byte file"
-                )
+                raise _bad(path, f"header length {header_size} runs past the end of the {file_size}-byte file")
             raw = handle.read(header_size)
     except FileNotFoundError:
         raise FoldckptError.at(path, "file not found") from None

@@ -91,9 +91,11 @@ def _read_index(path: Path) -> dict[str, str]:
     for name, file in weight_map.items():
         if stays_inside(file) and is_hidden(PurePosixPath(file)):
             raise FoldckptError.at(
-                path, f"maps tensor '{name}' to {file!r}, inside a hidden entry, which a conversion does not carry "
-                "over (as .git and .cache); move the file", name,
-            )  # fmt: skip
+                path,
+                f"maps tensor '{name}' to {file!r}, inside a hidden entry, which a conversion does not carry "
+                "over (as .git and .cache); move the file",
+                name,
+            )
     return weight_map
 
 
@@ -149,7 +151,9 @@ def open_source_checkpoint(model_dir: Path, external_links: bool = False) -> Sou
     return SourceCheckpoint(model_dir, index_path, weight_map, headers)
 
 
-def _check_index_matches_headers(index_path: Path, weight_map: dict[str, str], headers: dict[str, SafetensorsHeader]) -> None:
+def _check_index_matches_headers(
+    index_path: Path, weight_map: dict[str, str], headers: dict[str, SafetensorsHeader]
+) -> None:
     """The index and the shard headers agree both ways: every tensor the index maps is in its file,
     and every tensor a shard holds is mapped to that shard. Why both: loaders read the shards the
     index lists, whole, so a tensor it does not map (or maps elsewhere, a second copy) is served

@@ -18,9 +18,9 @@ Families:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from collections.abc import Iterable
 from typing import Any
 
 from foldckpt.defaults import TP_CANDIDATES
@@ -118,9 +118,7 @@ class Geometry:
     def rank_heads(self, tp: int, rank: int) -> tuple[int, int]:
         """Head range ``[first, stop)`` that vLLM rank ``rank`` of ``tp`` owns."""
         if not self.splits_heads(tp):
-            raise FoldckptError(
-                f"tensor-parallel size {tp} does not divide the {self.num_heads} attention heads"
-            )
+            raise FoldckptError(f"tensor-parallel size {tp} does not divide the {self.num_heads} attention heads")
         if not 0 <= rank < tp:
             raise FoldckptError(f"rank {rank} is outside tensor-parallel size {tp}")
         heads = self.num_heads // tp
@@ -158,10 +156,7 @@ class Geometry:
             "uses_rope": self.uses_rope,
             "quant_method": self.quant_method,
             "weight_block_size": list(self.weight_block_size) if self.weight_block_size else None,
-            "layers": [
-                {"index": layer.index, "prefix": layer.prefix, "is_mtp": layer.is_mtp}
-                for layer in self.layers
-            ],
+            "layers": [{"index": layer.index, "prefix": layer.prefix, "is_mtp": layer.is_mtp} for layer in self.layers],
         }
 
     @classmethod
@@ -180,8 +175,7 @@ class Geometry:
             quant_method=data.get("quant_method"),
             weight_block_size=(int(block[0]), int(block[1])) if block else None,
             layers=tuple(
-                MLALayer(int(item["index"]), str(item["prefix"]), bool(item["is_mtp"]))
-                for item in data["layers"]
+                MLALayer(int(item["index"]), str(item["prefix"]), bool(item["is_mtp"])) for item in data["layers"]
             ),
         )
 
@@ -295,7 +289,9 @@ def geometry_from_config(config: dict[str, Any], where: str = CONFIG_NAME) -> Ge
         raise _config_error(where, "'num_nextn_predict_layers' must be a non-negative integer", section)
     for key, count in (("num_hidden_layers", num_layers), ("num_nextn_predict_layers", mtp)):
         if count > MAX_LAYERS:
-            raise _config_error(where, f"'{key}' is {count}, more than the {MAX_LAYERS} layers foldckpt accepts", section)
+            raise _config_error(
+                where, f"'{key}' is {count}, more than the {MAX_LAYERS} layers foldckpt accepts", section
+            )
 
     if family == "kimi_k3":
         main = _kimi_k3_mla_indices(text, num_layers, where, section)

@@ -62,7 +62,9 @@ def _from_cache(repo_id: str, revision: str | None) -> ModelSource:
     try:
         folder = Path(snapshot_download(repo_id, revision=wanted, local_files_only=True))
     except hub_errors.LocalEntryNotFoundError:
-        full = _full_commits(Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model"), wanted)
+        full = _full_commits(
+            Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model"), wanted
+        )
         if full:
             raise FoldckptError(
                 f"{repo_id}: --revision {wanted}: a commit is named by its full 40-character hash "
@@ -78,7 +80,9 @@ def _from_cache(repo_id: str, revision: str | None) -> ModelSource:
                 f"{repo_id}: the cached snapshot of {what} is incomplete; finish it with `{fetch}`"
             ) from None
         if isinstance(exc, (hub_errors.HFValidationError, ValueError)):
-            raise FoldckptError(f"{repo_id}: no such directory, and not a valid Hugging Face model id ({exc})") from None
+            raise FoldckptError(
+                f"{repo_id}: no such directory, and not a valid Hugging Face model id ({exc})"
+            ) from None
         raise
     return ModelSource(folder, repo_id, wanted, folder.name)
 

@@ -55,41 +55,74 @@ FA3_TINY_DIMS = TinyDims(nope=128, v_head=128)
 
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = list(printable), 0
     for byte in range(256):
         if byte not in printable:
             printable.append(byte)
             chars.append(256 + extra)
             extra += 1
-    return dict(zip(printable, map(chr, chars)))
+    return dict(zip(printable, map(chr, chars), strict=True))
 
 
 def write_tokenizer(out_dir: Path) -> None:
     """A byte-level BPE tokenizer with no merges (one token per byte) plus BOS/EOS and a chat template."""
     vocab = {char: byte for byte, char in sorted(_byte_to_unicode().items())}
     special = [
-        {"id": _BYTE_VOCAB + i, "content": tok, "single_word": False, "lstrip": False,
-         "rstrip": False, "normalized": False, "special": True}
+        {
+            "id": _BYTE_VOCAB + i,
+            "content": tok,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
         for i, tok in enumerate((_BOS, _EOS))
-    ]  # fmt: skip
+    ]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     tokenizer = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": special,
-        "normalizer": None, "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": False, "vocab": vocab, "merges": []},
-    }  # fmt: skip
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": special,
+        "normalizer": None,
+        "pre_tokenizer": byte_level,
+        "post_processor": None,
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [],
+        },
+    }
     (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
     chat_template = (
         "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": _BOS, "eos_token": _EOS,
-        "model_max_length": 4096, "add_bos_token": False, "chat_template": chat_template,
-    }, indent=2))  # fmt: skip
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": _BOS,
+                "eos_token": _EOS,
+                "model_max_length": 4096,
+                "add_bos_token": False,
+                "chat_template": chat_template,
+            },
+            indent=2,
+        )
+    )
     (out_dir / "generation_config.json").write_text(
         json.dumps({"bos_token_id": _BYTE_VOCAB, "eos_token_id": _BYTE_VOCAB + 1, "do_sample": False}, indent=2)
     )
@@ -100,35 +133,72 @@ def write_k3_preprocessor_config(out_dir: Path) -> None:
     for text-only serving (``KimiK25FusedVisionProcessor``; without it: "Can't load image processor").
     Values: Kimi-K2.5's MoonViT defaults (patch 14, 2x2 merge)."""
     media = {
-        "patch_size": 14, "merge_kernel_size": 2, "temporal_merge_kernel_size": 4, "in_patch_limit": 1024,
-        "patch_limit_on_one_side": 64, "fixed_output_tokens": None, "in_patch_limit_each_frame": None,
-        "in_patch_limit_video": None, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-    }  # fmt: skip
+        "patch_size": 14,
+        "merge_kernel_size": 2,
+        "temporal_merge_kernel_size": 4,
+        "in_patch_limit": 1024,
+        "patch_limit_on_one_side": 64,
+        "fixed_output_tokens": None,
+        "in_patch_limit_each_frame": None,
+        "in_patch_limit_video": None,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
     config = {"image_processor_type": "KimiK25FusedVisionProcessor", "media_proc_cfg": media}
     (out_dir / "preprocessor_config.json").write_text(json.dumps(config, indent=2))
 
 
 def _deepseek_text_config(d: TinyDims, layers: int, mtp: int) -> dict[str, Any]:
     return {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "vocab_size": d.vocab, "hidden_size": d.hidden, "intermediate_size": d.intermediate,
-        "moe_intermediate_size": d.moe_intermediate, "num_hidden_layers": layers,
-        "num_nextn_predict_layers": mtp, "num_attention_heads": d.heads, "num_key_value_heads": d.heads,
-        "n_shared_experts": 1, "n_routed_experts": d.experts, "routed_scaling_factor": 2.5,
-        "kv_lora_rank": d.kv_lora, "q_lora_rank": d.q_lora, "qk_rope_head_dim": d.rope,
-        "v_head_dim": d.v_head, "qk_nope_head_dim": d.nope, "topk_method": "noaux_tc", "n_group": 1,
-        "topk_group": 1, "num_experts_per_tok": 2, "moe_layer_freq": 1, "first_k_dense_replace": 1,
-        "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu",
-        "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": d.vocab,
+        "hidden_size": d.hidden,
+        "intermediate_size": d.intermediate,
+        "moe_intermediate_size": d.moe_intermediate,
+        "num_hidden_layers": layers,
+        "num_nextn_predict_layers": mtp,
+        "num_attention_heads": d.heads,
+        "num_key_value_heads": d.heads,
+        "n_shared_experts": 1,
+        "n_routed_experts": d.experts,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": d.kv_lora,
+        "q_lora_rank": d.q_lora,
+        "qk_rope_head_dim": d.rope,
+        "v_head_dim": d.v_head,
+        "qk_nope_head_dim": d.nope,
+        "topk_method": "noaux_tc",
+        "n_group": 1,
+        "topk_group": 1,
+        "num_experts_per_tok": 2,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "hidden_act": "silu",
+        "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
         # DeepSeek-V3's own YaRN settings: vLLM builds its DeepseekScalingRotaryEmbedding from them.
         "rope_scaling": {
-            "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
         },
-        "attention_bias": False, "attention_dropout": 0.0,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
-        "bos_token_id": _BYTE_VOCAB, "eos_token_id": _BYTE_VOCAB + 1, "initializer_range": 0.02,
-    }  # fmt: skip
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "bos_token_id": _BYTE_VOCAB,
+        "eos_token_id": _BYTE_VOCAB + 1,
+        "initializer_range": 0.02,
+    }
 
 
 class _TensorFactory:
@@ -166,8 +236,11 @@ def _mla_attention(f: _TensorFactory, p: str, d: TinyDims, full: bool, output_ga
 
 def _deepseek_mlp(f: _TensorFactory, p: str, d: TinyDims, dense: bool) -> None:
     if dense:
-        for proj, shape in (("gate_proj", (d.intermediate, d.hidden)), ("up_proj", (d.intermediate, d.hidden)),
-                            ("down_proj", (d.hidden, d.intermediate))):  # fmt: skip
+        for proj, shape in (
+            ("gate_proj", (d.intermediate, d.hidden)),
+            ("up_proj", (d.intermediate, d.hidden)),
+            ("down_proj", (d.hidden, d.intermediate)),
+        ):
             f.linear(f"{p}.mlp.{proj}.weight", *shape)
         return
     f.linear(f"{p}.mlp.gate.weight", d.experts, d.hidden)
@@ -275,20 +348,27 @@ def _k3_moe(f: _TensorFactory, p: str, d: TinyDims, bf16_experts: bool) -> None:
     f.linear(f"{m}.shared_experts.gate_proj.weight", d.moe_intermediate, d.hidden)
     f.linear(f"{m}.shared_experts.up_proj.weight", d.moe_intermediate, d.hidden)
     f.linear(f"{m}.shared_experts.down_proj.weight", d.hidden, d.moe_intermediate)
-    shapes = (("w1", (d.moe_intermediate, d.hidden)), ("w3", (d.moe_intermediate, d.hidden)),
-              ("w2", (d.hidden, d.moe_intermediate)))  # fmt: skip
+    shapes = (
+        ("w1", (d.moe_intermediate, d.hidden)),
+        ("w3", (d.moe_intermediate, d.hidden)),
+        ("w2", (d.hidden, d.moe_intermediate)),
+    )
     for e in range(d.experts):
         for w, (rows, cols) in shapes:
             base = f"{m}.experts.{e}.{w}"
             if bf16_experts:
                 f.linear(f"{base}.weight", rows, cols)
             else:
-                f.raw(f"{base}.weight_packed", torch.randint(0, 256, (rows, cols // 2), generator=f.generator, dtype=torch.uint8))
+                f.raw(
+                    f"{base}.weight_packed",
+                    torch.randint(0, 256, (rows, cols // 2), generator=f.generator, dtype=torch.uint8),
+                )
                 f.raw(f"{base}.weight_scale", torch.full((rows, cols // 32), 127, dtype=torch.uint8))
 
 
-def _kimi_k3(f: _TensorFactory, layers: int, mtp: int, d: TinyDims, full: bool,
-             all_mla: bool = False, bf16_experts: bool = False) -> dict[str, Any]:  # fmt: skip
+def _kimi_k3(
+    f: _TensorFactory, layers: int, mtp: int, d: TinyDims, full: bool, all_mla: bool = False, bf16_experts: bool = False
+) -> dict[str, Any]:
     """Kimi-K3: a Kimi-Linear text model (KDA layers, MLA every 4th layer and the last, MoE
     everywhere, MTP layers after the last) under ``language_model.``, in the config and tensor
     names vLLM's ``KimiK3ForConditionalGeneration`` reads (vllm/models/kimi_k3/nvidia/model.py,
@@ -325,40 +405,76 @@ def _kimi_k3(f: _TensorFactory, layers: int, mtp: int, d: TinyDims, full: bool,
         f.norm(f"{prefix}.norm.weight", d.hidden)
         f.linear("language_model.lm_head.weight", d.vocab, d.hidden)
     text = {
-        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
-        "vocab_size": d.vocab, "hidden_size": d.hidden, "intermediate_size": d.intermediate,
-        "num_hidden_layers": layers, "num_nextn_predict_layers": mtp,
-        "num_attention_heads": d.heads, "num_key_value_heads": d.heads,
-        "q_lora_rank": d.q_lora, "kv_lora_rank": d.kv_lora, "qk_nope_head_dim": d.nope,
-        "qk_rope_head_dim": d.rope, "v_head_dim": d.v_head, "mla_use_nope": True,
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "vocab_size": d.vocab,
+        "hidden_size": d.hidden,
+        "intermediate_size": d.intermediate,
+        "num_hidden_layers": layers,
+        "num_nextn_predict_layers": mtp,
+        "num_attention_heads": d.heads,
+        "num_key_value_heads": d.heads,
+        "q_lora_rank": d.q_lora,
+        "kv_lora_rank": d.kv_lora,
+        "qk_nope_head_dim": d.nope,
+        "qk_rope_head_dim": d.rope,
+        "v_head_dim": d.v_head,
+        "mla_use_nope": True,
         "mla_use_output_gate": True,
-        "num_experts": d.experts, "num_experts_per_token": 2, "num_shared_experts": 1,
-        "moe_intermediate_size": d.moe_intermediate, "moe_renormalize": True,
-        "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 2.5,
-        "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1, "topk_method": "noaux_tc",
-        "first_k_dense_replace": 0, "moe_layer_freq": 1, "hidden_act": "silu",
+        "num_experts": d.experts,
+        "num_experts_per_token": 2,
+        "num_shared_experts": 1,
+        "moe_intermediate_size": d.moe_intermediate,
+        "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid",
+        "routed_scaling_factor": 2.5,
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "first_k_dense_replace": 0,
+        "moe_layer_freq": 1,
+        "hidden_act": "silu",
         "linear_attn_config": {
-            "kda_layers": kda, "full_attn_layers": mla, "head_dim": d.kda_head_dim,
-            "num_heads": d.kda_heads, "short_conv_kernel_size": _K3_KDA_CONV, "use_full_rank_gate": True,
+            "kda_layers": kda,
+            "full_attn_layers": mla,
+            "head_dim": d.kda_head_dim,
+            "num_heads": d.kda_heads,
+            "short_conv_kernel_size": _K3_KDA_CONV,
+            "use_full_rank_gate": True,
         },
-        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-        "bos_token_id": _BYTE_VOCAB, "eos_token_id": _BYTE_VOCAB + 1, "pad_token_id": 0,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "bos_token_id": _BYTE_VOCAB,
+        "eos_token_id": _BYTE_VOCAB + 1,
+        "pad_token_id": 0,
         "torch_dtype": "bfloat16",
-    }  # fmt: skip
+    }
     config: dict[str, Any] = {
-        "architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text,
-        "bos_token_id": _BYTE_VOCAB, "eos_token_id": _BYTE_VOCAB + 1,
-    }  # fmt: skip
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        "text_config": text,
+        "bos_token_id": _BYTE_VOCAB,
+        "eos_token_id": _BYTE_VOCAB + 1,
+    }
     if all_mla:
         # vLLM's ModelConfig.is_hybrid reads this (top level): without it an all-MLA K3 is still
         # "hybrid" and the hybrid block-size alignment asks CPU_MLA for blocks it refuses.
         config["layer_types"] = ["full_attention"] * layers
     if not bf16_experts:
         config["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-            "ignore": ["re:.*self_attn.*", "re:.*lm_head", "re:.*block_sparse_moe.gate$",
-                       "re:.*shared_experts.*", "re:.*eh_proj", "re:.*shared_head.*"],
-        }  # fmt: skip
+            "quant_method": "compressed-tensors",
+            "format": "mxfp4-pack-quantized",
+            "ignore": [
+                "re:.*self_attn.*",
+                "re:.*lm_head",
+                "re:.*block_sparse_moe.gate$",
+                "re:.*shared_experts.*",
+                "re:.*eh_proj",
+                "re:.*shared_head.*",
+            ],
+        }
     return config
 
 
@@ -454,17 +570,27 @@ def make_checkpoint(
         prefix = "model" if family.startswith("deepseek") else "language_model.model"
         _deepseek_decoder(factory, prefix, layers, mtp_layers, dims, full_geometry)
         if not full_geometry:
-            factory.linear("lm_head.weight" if prefix == "model" else "language_model.lm_head.weight", dims.vocab, dims.hidden)
+            factory.linear(
+                "lm_head.weight" if prefix == "model" else "language_model.lm_head.weight", dims.vocab, dims.hidden
+            )
         first_mla = f"{prefix}.layers.0.self_attn.q_b_proj.weight"
         if family == "deepseek_v3_fp8":
             _quantize_fp8(factory)
-            text["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                           "weight_block_size": [_FP8_BLOCK, _FP8_BLOCK]}  # fmt: skip
+            text["quantization_config"] = {
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "activation_scheme": "dynamic",
+                "weight_block_size": [_FP8_BLOCK, _FP8_BLOCK],
+            }
         if family == "kimi_k25":
             factory.linear("vision_tower.patch_embed.proj.weight", 64, 3 * 14 * 14)
             factory.linear("mm_projector.proj.0.weight", dims.hidden, 64)
-            config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-                      "text_config": text, "vision_config": {"hidden_size": 64, "patch_size": 14}}  # fmt: skip
+            config = {
+                "architectures": ["KimiK25ForConditionalGeneration"],
+                "model_type": "kimi_k25",
+                "text_config": text,
+                "vision_config": {"hidden_size": 64, "patch_size": 14},
+            }
         else:
             config = text
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))

@@ -55,8 +55,14 @@ class BuiltMLA:
 
     @classmethod
     def of(cls, geometry: Geometry) -> BuiltMLA:
-        return cls(geometry.num_heads, geometry.q_lora_rank, geometry.kv_lora_rank,
-                   geometry.qk_nope_head_dim, geometry.qk_rope_head_dim, geometry.v_head_dim)  # fmt: skip
+        return cls(
+            geometry.num_heads,
+            geometry.q_lora_rank,
+            geometry.kv_lora_rank,
+            geometry.qk_nope_head_dim,
+            geometry.qk_rope_head_dim,
+            geometry.v_head_dim,
+        )
 
 
 class LayerFold:

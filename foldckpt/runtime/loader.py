@@ -36,13 +36,13 @@ from pathlib import Path
 
 import torch
 
-from foldckpt.format.consistency import changed_fold_inputs, check_served
 from foldckpt.defaults import ALLOW_EXTRA_ENV, EXPECT_MANIFEST_ENV, allow_extra_patterns
 from foldckpt.errors import FoldckptError
-from foldckpt.model.geometry import Geometry, MLALayer
-from foldckpt.io.hashing import describe_heads, head_digests, rank_digest
+from foldckpt.format.consistency import changed_fold_inputs, check_served
 from foldckpt.format.manifest import MANIFEST_NAME, FoldTensor, Manifest, ScaleTensor, read_manifest
+from foldckpt.io.hashing import describe_heads, head_digests, rank_digest
 from foldckpt.io.safetensors_format import SafetensorsHeader, read_tensor_bytes
+from foldckpt.model.geometry import Geometry, MLALayer
 from foldckpt.tensors import TORCH_DTYPES
 
 _REMEDY = "re-run `foldckpt convert`, or set FOLDCKPT_DISABLE=1 to serve without the fold"
@@ -90,10 +90,12 @@ class FoldSet:
         changed = changed_fold_inputs(self.model_dir, record.sources)
         if changed:
             raise FoldckptError.at(
-                self.model_dir / changed[0].file, f"tensor '{changed[0].name}' is not the one '{record.name}' was "
+                self.model_dir / changed[0].file,
+                f"tensor '{changed[0].name}' is not the one '{record.name}' was "
                 f"folded from (its digest differs from the one in {MANIFEST_NAME}): the fold belongs to other weights; "
-                f"{_REMEDY}", changed[0].name,
-            )  # fmt: skip
+                f"{_REMEDY}",
+                changed[0].name,
+            )
         rows = self._read_checked(record, record.file, tp_size, tp_rank)
         return rows.view(-1, record.shape[1])
 
@@ -115,9 +117,11 @@ class FoldSet:
         if bad:
             start, end = self.geometry.rank_rows(tp_size, tp_rank)
             raise FoldckptError.at(
-                path, f"tensor '{part.name}' rows [{start}, {end}) (heads {describe_heads(bad)}) do not match their "
-                f"head digests in {MANIFEST_NAME}; the sidecar is corrupted: {_REMEDY}", part.name,
-            )  # fmt: skip
+                path,
+                f"tensor '{part.name}' rows [{start}, {end}) (heads {describe_heads(bad)}) do not match their "
+                f"head digests in {MANIFEST_NAME}; the sidecar is corrupted: {_REMEDY}",
+                part.name,
+            )
         return torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype])
 
     def rank_digest(self, layer: MLALayer, tp_size: int, tp_rank: int) -> str:
@@ -137,7 +141,9 @@ def open_fold_set(model_dir: Path, expect_sha256: str | None = None) -> FoldSet:
     try:
         manifest = read_manifest(model_dir, expect_sha256)
     except FoldckptError as exc:
-        raise type(exc)(f"{exc}; {_REMEDY}", path=exc.path, tensor=exc.tensor, detail=f"{exc.detail}; {_REMEDY}") from None
+        raise type(exc)(
+            f"{exc}; {_REMEDY}", path=exc.path, tensor=exc.tensor, detail=f"{exc.detail}; {_REMEDY}"
+        ) from None
     headers = check_served(model_dir, manifest, _REMEDY, allow_extra_patterns(os.environ.get(ALLOW_EXTRA_ENV)))
     return FoldSet(model_dir, manifest, headers)
 
@@ -157,9 +163,10 @@ def served_fold_set(model_dir: str | Path) -> FoldSet | None:
         return cached_fold_set(str(model_dir))
     if os.environ.get(EXPECT_MANIFEST_ENV):
         raise FoldckptError.at(
-            Path(model_dir) / MANIFEST_NAME, f"missing, but {EXPECT_MANIFEST_ENV} pins the conversion to serve: serve "
+            Path(model_dir) / MANIFEST_NAME,
+            f"missing, but {EXPECT_MANIFEST_ENV} pins the conversion to serve: serve "
             "the converted directory, or unset the variable to serve this one unfolded",
-        )  # fmt: skip
+        )
     return None
 
 

@@ -84,8 +84,14 @@ class FoldedMLAMixin:
             "a decode backend that pads query heads (CUTLASS MLA)": attn.q_pad_num_heads is not None,
         }
         tp_size = get_tensor_model_parallel_world_size()
-        built = BuiltMLA(self.num_heads * tp_size, self.q_lora_rank, self.kv_lora_rank,
-                         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)  # fmt: skip
+        built = BuiltMLA(
+            self.num_heads * tp_size,
+            self.q_lora_rank,
+            self.kv_lora_rank,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+        )
         self.fold: LayerFold | None = attach_fold(self.prefix, built, self.num_heads, unsupported, self._fold_loaded)
         self.q_fold: ColumnParallelLinear | None = None if self.fold is None else self.fold.q_fold
         if self.fold is None:
@@ -130,8 +136,14 @@ class FoldedMLAMixin:
         weight = getattr(self.q_fold, "weight", None)
         if cache is not None and weight is not None and weight.is_cuda:
             assert self.fold is not None
-            warmup_fold_query(weight, self.fold.max_tokens, cache, self.kv_lora_rank + self.qk_rope_head_dim,
-                              scale=self.fold.weight_scale, x_dtype=self.q_fold.params_dtype)  # fmt: skip
+            warmup_fold_query(
+                weight,
+                self.fold.max_tokens,
+                cache,
+                self.kv_lora_rank + self.qk_rope_head_dim,
+                scale=self.fold.weight_scale,
+                x_dtype=self.q_fold.params_dtype,
+            )
         if self.rotary_emb is None:
             return "NoPE: no RoPE"
         return "q/k RoPE by fold_query" if cache is not None else "q/k RoPE by vLLM's rotary module"
@@ -300,11 +312,13 @@ class FoldedMLAWrapper(FoldedMLAMixin, MultiHeadLatentAttentionWrapper):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._init_fold({
-            "sparse MLA (DeepSeek-V3.2 indexer)": self.is_sparse or self.indexer is not None,
-            "DCP query replication": self.dcp_q_replicate,
-            "fused q/kv RMSNorm": self.fuse_qkv_rmsnorm,
-        })  # fmt: skip
+        self._init_fold(
+            {
+                "sparse MLA (DeepSeek-V3.2 indexer)": self.is_sparse or self.indexer is not None,
+                "DCP query replication": self.dcp_q_replicate,
+                "fused q/kv RMSNorm": self.fuse_qkv_rmsnorm,
+            }
+        )
 
     # Traced part (inside torch.compile): everything up to the op, with no metadata in sight.
     def forward(
@@ -316,9 +330,7 @@ class FoldedMLAWrapper(FoldedMLAMixin, MultiHeadLatentAttentionWrapper):
         if self.q_fold is None:
             return super().forward(positions, hidden_states, llama_4_scaling)
         qkv_lora = self.fused_qkv_a_proj(hidden_states)[0]
-        q_c, kv_lora = qkv_lora.split(
-            [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
-        )
+        q_c, kv_lora = qkv_lora.split([self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1)
         q_c = self.q_a_layernorm(q_c)
         kv_c, k_pe = kv_lora.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv_c_normed = self.kv_a_layernorm(kv_c)
@@ -340,9 +352,7 @@ def mla_attention(
     llama_4_scaling: torch.Tensor | None = None,
 ) -> None:
     """The folded MLA attention of one layer; writes ``output`` ``[T, n*V]``."""
-    _FOLDED[_resolve_layer_name(layer_name)].attend(
-        q_c, positions, kv_c_normed, k_pe, output, llama_4_scaling
-    )
+    _FOLDED[_resolve_layer_name(layer_name)].attend(q_c, positions, kv_c_normed, k_pe, output, llama_4_scaling)
 
 
 def _mla_attention_fake(

@@ -95,8 +95,7 @@ def install(version: str) -> None:
     name = MultiHeadLatentAttentionWrapper.__name__
     if name in op_registry_oot:
         logger.warning(
-            "foldckpt: %s is already replaced by %s (another plugin); converted checkpoints are "
-            "served unfolded",
+            "foldckpt: %s is already replaced by %s (another plugin); converted checkpoints are served unfolded",
             name,
             op_registry_oot[name].__qualname__,
         )
@@ -114,9 +113,11 @@ def _register_kimi_k3() -> None:
         entry = ModelRegistry.models.get(arch)
         if getattr(entry, "module_name", None) != KIMI_K3_MODULE or getattr(entry, "class_name", None) != class_name:
             logger.warning(
-                "foldckpt: vLLM's model registry maps %s to %r, not %s:%s; Kimi-K3 checkpoints are "
-                "served unfolded",
-                arch, entry, KIMI_K3_MODULE, class_name,
-            )  # fmt: skip
+                "foldckpt: vLLM's model registry maps %s to %r, not %s:%s; Kimi-K3 checkpoints are served unfolded",
+                arch,
+                entry,
+                KIMI_K3_MODULE,
+                class_name,
+            )
             continue
         ModelRegistry.register_model(arch, f"foldckpt.runtime.kimi_k3.registry:{class_name}")

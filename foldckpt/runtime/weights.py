@@ -59,10 +59,17 @@ class FoldBuild:
                 "foldckpt: folded %d MLA layers of %s (fold %s, computed in %s); decode batches of "
                 "at most %d tokens use q_fold (%s), larger ones and all prefill rows use q_b_proj "
                 "(tp rank %d of %d; %s); layers %s",
-                self.built, self.fold_set.model_dir, self.fold_set.manifest.fold_dtype,
-                computed, route.max_tokens, decode_rope, tp_rank, tp_size, route.describe(),
+                self.built,
+                self.fold_set.model_dir,
+                self.fold_set.manifest.fold_dtype,
+                computed,
+                route.max_tokens,
+                decode_rope,
+                tp_rank,
+                tp_size,
+                route.describe(),
                 describe_layers(sorted(self.loaded, key=lambda layer: layer.index)),
-            )  # fmt: skip
+            )
 
     def layer_unfolded(self, shape: tuple[int, int], route: Route) -> None:
         """A layer whose routing threshold is 0: nothing is loaded; say so once per build."""
@@ -73,9 +80,12 @@ class FoldBuild:
             "foldckpt: %s is served UNFOLDED: the routing threshold for the fold shape %s on this "
             "device is 0 (%s), so no fold is loaded and no memory is spent on it (tp rank %d of %d); "
             "FOLDCKPT_FOLD_MAX_TOKENS=N overrides",
-            self.fold_set.model_dir, list(shape), route.describe(), get_tensor_model_parallel_rank(),
+            self.fold_set.model_dir,
+            list(shape),
+            route.describe(),
+            get_tensor_model_parallel_rank(),
             get_tensor_model_parallel_world_size(),
-        )  # fmt: skip
+        )
 
 
 class SidecarFoldMethod(UnquantizedLinearMethod):

@@ -36,17 +36,40 @@ FOLDED = "FoldedMLAWrapper"
 
 # What FoldedMLAWrapper reads off the stock wrapper (mla_fold.py): set by vLLM's __init__.
 WRAPPER_ATTRS = (
-    "mla_attn", "fused_qkv_a_proj", "q_a_layernorm", "kv_a_layernorm", "q_b_proj", "rotary_emb",
-    "g_proj", "o_proj", "is_sparse", "indexer", "dcp_q_replicate", "fuse_qkv_rmsnorm", "prefix",
-    "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-    "v_head_dim", "qk_head_dim",
-)  # fmt: skip
+    "mla_attn",
+    "fused_qkv_a_proj",
+    "q_a_layernorm",
+    "kv_a_layernorm",
+    "q_b_proj",
+    "rotary_emb",
+    "g_proj",
+    "o_proj",
+    "is_sparse",
+    "indexer",
+    "dcp_q_replicate",
+    "fuse_qkv_rmsnorm",
+    "prefix",
+    "num_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "qk_head_dim",
+)
 # What the op reads off ``attn`` (the layer's MLAAttention) and ``attn.impl`` (its backend impl).
 MLA_ATTENTION_ATTRS = (
-    "impl", "use_pcp", "q_pad_num_heads", "kv_cache_dtype", "layer_name",
-    "_decode_concat_quant_fp8_op", "forward_impl", "prepare_kv_cache_update", "update_kv_cache",
+    "impl",
+    "use_pcp",
+    "q_pad_num_heads",
+    "kv_cache_dtype",
+    "layer_name",
+    "_decode_concat_quant_fp8_op",
+    "forward_impl",
+    "prepare_kv_cache_update",
+    "update_kv_cache",
     "_v_up_proj",
-)  # fmt: skip
+)
 IMPL_ATTRS = ("forward_mha", "forward_mqa", "supports_quant_query_input", "dcp_world_size")
 # How the op calls them: (method, positional arguments after self, keywords).
 MLA_ATTENTION_CALLS = (
@@ -62,10 +85,17 @@ IMPL_CALLS = (
 # The ``self.*`` calls of the stock wrapper's forward: the q-LoRA part of it is what
 # FoldedMLAWrapper.forward reproduces, so any new step there has to be reproduced too.
 STOCK_FORWARD_SELF_CALLS = {
-    "self.fused_qkv_a_proj", "self.q_a_layernorm", "self.kv_a_proj_with_mqa", "self.kv_a_layernorm",
-    "self.rotary_emb", "self.indexer", "self.mla_attn", "self.mla_attn.impl.record_logical_topk_ready",
-    "self.g_proj", "self.o_proj",
-}  # fmt: skip
+    "self.fused_qkv_a_proj",
+    "self.q_a_layernorm",
+    "self.kv_a_proj_with_mqa",
+    "self.kv_a_layernorm",
+    "self.rotary_emb",
+    "self.indexer",
+    "self.mla_attn",
+    "self.mla_attn.impl.record_logical_topk_ready",
+    "self.g_proj",
+    "self.o_proj",
+}
 # Where vLLM's models live (what builds MLA layers).
 MODEL_PACKAGES = ("vllm.model_executor.models", "vllm.models")
 CUSTOM_OP_KEYWORDS = ("op_name", "op_func", "mutates_args", "fake_impl", "target_lib", "dispatch_key")
@@ -177,9 +207,10 @@ def test_wrapper_is_a_pluggable_layer_replaced_by_its_class_name(vllm_tree: Sour
     )
     decorator = tree.method(CUSTOM_OP, "PluggableLayer", "register_oot.decorator")
     stores = [
-        n for n in ast.walk(decorator)
+        n
+        for n in ast.walk(decorator)
         if isinstance(n, ast.Assign) and any(ast.unparse(t).startswith("op_registry_oot[") for t in n.targets)
-    ]  # fmt: skip
+    ]
     assert stores, (
         f"{tree.label}: PluggableLayer.register_oot no longer stores the class in op_registry_oot [foldckpt: {why}]"
     )
@@ -413,8 +444,9 @@ def test_forward_impl_still_does_what_the_op_replays(vllm_tree: SourceTree) -> N
     tree.require_call(ATTN_MOD, ATTN, "forward_impl", "is_quantized_kv_cache", positional=1, why=why)
     query = "forward_impl" if tree.minor < (0, 34) else "_prepare_mqa_query"
     if query != "forward_impl":
-        tree.require_call(ATTN_MOD, ATTN, "forward_impl", "self._prepare_mqa_query", positional=1,
-                          keywords=["qrep_decode"], why=why)  # fmt: skip
+        tree.require_call(
+            ATTN_MOD, ATTN, "forward_impl", "self._prepare_mqa_query", positional=1, keywords=["qrep_decode"], why=why
+        )
     tree.require_call(ATTN_MOD, ATTN, query, "self._decode_concat_quant_fp8_op", positional=3, why=why)
     tree.require_call(ATTN_MOD, ATTN, query, "is_quantized_kv_cache", positional=1, why=why)
     source, query_source = tree.source(ATTN_MOD, ATTN, "forward_impl"), tree.source(ATTN_MOD, ATTN, query)
@@ -444,9 +476,7 @@ def test_kv_sharing_and_shardq_are_sparse_mla_only(vllm_tree: SourceTree) -> Non
     assert "KV sharing is only supported by sparse MLA backends" in tree.string_constants(
         ATTN_MOD, "MLACommonImpl", "__init__"
     ), f"{tree.label}: dense MLA backends (MLACommonImpl) no longer refuse KV sharing [foldckpt: {why}]"
-    setters = {
-        m for m in tree.modules_containing("self.use_shardq =", ["vllm.v1.attention.backends"])
-    }  # fmt: skip
+    setters = {m for m in tree.modules_containing("self.use_shardq =", ["vllm.v1.attention.backends"])}
     assert setters and all("sparse" in m or m.endswith(".indexer") for m in setters), (
         f"{tree.label}: use_shardq is now set by {sorted(setters)} [foldckpt: {why}]"
     )

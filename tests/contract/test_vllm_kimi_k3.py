@@ -68,29 +68,63 @@ _XPU = {**_NV, "KimiLinearForCausalLM": "amd.linear"}  # 0.33: the AMD reference
 K3_PLATFORM_BRANCHES = {
     (0, 32): {"current_platform.device_type == 'tpu'": {}, "current_platform.is_rocm()": _AMD, "else": _NV},
     (0, 33): {
-        "current_platform.device_type == 'tpu'": {}, "current_platform.is_rocm()": _AMD,
-        "current_platform.is_xpu()": _XPU, "else": _NV,
+        "current_platform.device_type == 'tpu'": {},
+        "current_platform.is_rocm()": _AMD,
+        "current_platform.is_xpu()": _XPU,
+        "else": _NV,
     },
-}  # fmt: skip
+}
 K3_PLATFORM_BRANCHES[(0, 34)] = K3_PLATFORM_BRANCHES[(0, 33)]
 # The specialized ("latency_specialized") decode reads q_b_proj.weight / W_UK_T itself (0.33 only).
 HAS_SPECIALIZED_DECODE = {(0, 32): False, (0, 33): True, (0, 34): True}
 
 # ---- what holds in both ----------------------------------------------------------------
 NV_MLA_INIT_KEYWORDS = [
-    "config", "hidden_size", "num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank",
-    "kv_lora_rank", "use_output_gate", "cache_config", "quant_config", "prefix",
-]  # fmt: skip
+    "config",
+    "hidden_size",
+    "num_heads",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "use_output_gate",
+    "cache_config",
+    "quant_config",
+    "prefix",
+]
 NV_MLA_ATTRS = [
-    "num_heads", "num_local_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-    "qk_head_dim", "v_head_dim", "head_size", "rotary_emb", "q_b_proj", "q_a_layernorm", "kv_a_layernorm",
-    "rms_norm_eps", "layer_name", "dcp_world_size", "dcp_manager", "impl", "kv_cache_dtype", "use_output_gate",
-]  # fmt: skip
+    "num_heads",
+    "num_local_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "qk_head_dim",
+    "v_head_dim",
+    "head_size",
+    "rotary_emb",
+    "q_b_proj",
+    "q_a_layernorm",
+    "kv_a_layernorm",
+    "rms_norm_eps",
+    "layer_name",
+    "dcp_world_size",
+    "dcp_manager",
+    "impl",
+    "kv_cache_dtype",
+    "use_output_gate",
+]
 # Every self.* call of _attention: the decode tail a folded subclass replays after its own query.
 NV_ATTENTION_SELF_CALLS = {
-    "self._forward_prefill_fused", "self._decode_concat_cache", "self.dcp_manager.query_gather",
-    "self.impl.forward_mqa", "self._attn_read_kv_cache", "self.dcp_manager.combine", "self._v_up_proj",
-}  # fmt: skip
+    "self._forward_prefill_fused",
+    "self._decode_concat_cache",
+    "self.dcp_manager.query_gather",
+    "self.impl.forward_mqa",
+    "self._attn_read_kv_cache",
+    "self.dcp_manager.combine",
+    "self._v_up_proj",
+}
 # 0.34: the DCP merge and W_UV in one call, where the DCP manager has it (W_UV_dcp set).
 NV_ATTENTION_LATER_CALLS = {(0, 32): set(), (0, 33): set(), (0, 34): {"self.dcp_manager.v_up_proj_combine"}}
 NV_DECODE_CONCAT_PARAMS = [
@@ -104,12 +138,28 @@ NV_DECODE_CONCAT_PARAMS = [
     "slot_mapping",
 ]
 NV_PREFILL_PARAMS = [
-    "self", "q", "kv_c_normed", "k_pe", "positions", "cos_sin_cache", "slot_mapping", "attn_metadata", "out",
-]  # fmt: skip
-_ROCM_FUSED_DECODE_PARAMS = [
-    "self", "q", "kv_c_normed", "k_pe", "positions", "output_shape", "attn_metadata", "layer", "kv_cache",
+    "self",
+    "q",
+    "kv_c_normed",
+    "k_pe",
+    "positions",
+    "cos_sin_cache",
     "slot_mapping",
-]  # fmt: skip
+    "attn_metadata",
+    "out",
+]
+_ROCM_FUSED_DECODE_PARAMS = [
+    "self",
+    "q",
+    "kv_c_normed",
+    "k_pe",
+    "positions",
+    "output_shape",
+    "attn_metadata",
+    "layer",
+    "kv_cache",
+    "slot_mapping",
+]
 # 0.34 gives the kernel its _zero_positions instead of the real positions.
 ROCM_FUSED_DECODE_PARAMS = {
     (0, 32): _ROCM_FUSED_DECODE_PARAMS,
@@ -120,9 +170,16 @@ ROCM_FUSED_DECODE_PARAMS = {
 ROCM_KERNEL_POSITIONS = {(0, 32): "positions", (0, 33): "positions", (0, 34): "self._zero_positions[:num_slots]"}
 # What _fused_qk_prep_supported / _fused_decode read off MLAAttention.
 ROCM_ATTN_ATTRS = [
-    "kv_cache_dtype", "use_pcp", "hisparse_cache", "q_pad_num_heads", "is_aiter_triton_fp4_bmm_enabled",
-    "is_aiter_triton_fp8_bmm_enabled", "impl", "kv_lora_rank", "_v_up_proj",
-]  # fmt: skip
+    "kv_cache_dtype",
+    "use_pcp",
+    "hisparse_cache",
+    "q_pad_num_heads",
+    "is_aiter_triton_fp4_bmm_enabled",
+    "is_aiter_triton_fp8_bmm_enabled",
+    "impl",
+    "kv_lora_rank",
+    "_v_up_proj",
+]
 
 
 @pytest.fixture
@@ -197,8 +254,15 @@ def test_nvidia_attention_is_a_capture_break_with_the_decode_tail(k3_tree: Sourc
         f"{sorted(expected - own)} [foldckpt: {why}]"
     )
     if NV_ATTENTION_LATER_CALLS[tree.minor]:
-        call = tree.require_call(NV_MLA, MLA, "_attention", "self.dcp_manager.v_up_proj_combine", positional=4,
-                                 keywords=["seq_lens", "query_start_loc"], why=why)  # fmt: skip
+        call = tree.require_call(
+            NV_MLA,
+            MLA,
+            "_attention",
+            "self.dcp_manager.v_up_proj_combine",
+            positional=4,
+            keywords=["seq_lens", "query_start_loc"],
+            why=why,
+        )
         assert call.args[2] == "self.W_UV_dcp", f"{tree.label}: v_up_proj_combine{call.args} [foldckpt: {why}]"
         assert "if self.W_UV_dcp is not None:" in tree.source(NV_MLA, MLA, "_attention"), (
             f"{tree.label}: _attention no longer picks v_up_proj_combine by W_UV_dcp [foldckpt: {why}]"
@@ -235,9 +299,13 @@ def test_nvidia_attention_is_a_capture_break_with_the_decode_tail(k3_tree: Sourc
 def test_nvidia_weight_absorption_runs_after_the_linears(k3_tree: SourceTree) -> None:
     tree, why = k3_tree, "the fold's q_fold is filled in the linears' pass, W_UK_T in the attention pass"
     tree.require_method(
-        NV_MLA, MLA, "process_weights_after_loading", params=NV_PWAL_PARAMS[tree.minor], assigns=["W_UK_T", "W_UV"],
+        NV_MLA,
+        MLA,
+        "process_weights_after_loading",
+        params=NV_PWAL_PARAMS[tree.minor],
+        assigns=["W_UK_T", "W_UV"],
         why=why,
-    )  # fmt: skip
+    )
     extra = {"is_weights_pre_processed"} & tree.calls(NV_MLA, MLA, "process_weights_after_loading")
     assert extra == NV_PWAL_EXTRA_CALLS[tree.minor], f"{tree.label}: process_weights_after_loading calls {extra}"
     utils = "vllm.model_executor.model_loader.utils"
@@ -270,10 +338,11 @@ def test_nvidia_model_builds_the_mla_from_a_patchable_global(k3_tree: SourceTree
     )
     init = tree.method(NV_MODEL, "KimiDecoderLayer", "__init__")
     local = [
-        n for n in ast.walk(init)
+        n
+        for n in ast.walk(init)
         if (isinstance(n, ast.Name) and n.id == MLA and isinstance(n.ctx, ast.Store))
         or (isinstance(n, ast.ImportFrom) and any((a.asname or a.name) == MLA for a in n.names))
-    ]  # fmt: skip
+    ]
     assert not local, (
         f"{tree.label}: KimiDecoderLayer.__init__ binds {MLA} locally, a patched global is not seen [foldckpt: {why}]"
     )
@@ -358,8 +427,10 @@ def _platform_branches(tree: SourceTree) -> dict[str, dict[str, str]]:
         )
         branches[test] = {
             alias.asname or alias.name: (s.module or "")
-            for s in body if isinstance(s, ast.ImportFrom) for alias in s.names
-        }  # fmt: skip
+            for s in body
+            if isinstance(s, ast.ImportFrom)
+            for alias in s.names
+        }
         node = rest
     return branches
 
@@ -466,11 +537,14 @@ def test_specialized_decode_per_release(k3_tree: SourceTree) -> None:
         "'latency_specialized' [FoldedKimiK3MLA refuses exactly that setting]"
     )
     sites = [
-        c for m in tree.modules_under("vllm.models.kimi_k3.amd.specialized_decode") for node in tree.module(m).body
+        c
+        for m in tree.modules_under("vllm.models.kimi_k3.amd.specialized_decode")
+        for node in tree.module(m).body
         if isinstance(node, ast.ClassDef)
-        for fn in node.body if isinstance(fn, ast.FunctionDef)
+        for fn in node.body
+        if isinstance(fn, ast.FunctionDef)
         for c in tree.call_sites(m, node.name, fn.name, "layer.self_attn.mla_attn.forward")
-    ]  # fmt: skip
+    ]
     assert sites and all(c.keywords.get("skip_o_proj") == "True" for c in sites), (
         f"{tree.label}: the ROCm specialized decode calls mla_attn.forward as {sites} "
         "[FoldedKimiK3Wrapper.forward takes skip_o_proj]"

@@ -102,10 +102,22 @@ def _download(version: str, dest: Path, target: Path) -> Path:
         flush=True,
     )
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--platform", WHEEL_PLATFORM, "--quiet", "--disable-pip-version-check", "--timeout", "60",
-        "--dest", str(dest), f"vllm=={version}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--platform",
+        WHEEL_PLATFORM,
+        "--quiet",
+        "--disable-pip-version-check",
+        "--timeout",
+        "60",
+        "--dest",
+        str(dest),
+        f"vllm=={version}",
+    ]
     remedy = (
         f"connect to PyPI, or seed the cache with vllm_source({version!r}, wheel=<vllm wheel>), "
         f"or set {SKIP_ENV}=1 to skip the vLLM contract tests"

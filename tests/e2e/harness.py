@@ -87,22 +87,45 @@ def run_job(
         env.update(K3_FIXTURES_ENV, PYTHONPATH=os.pathsep.join(filter(None, (str(K3_SITE), env.get("PYTHONPATH")))))
     return subprocess.run(
         [sys.executable, str(ENGINE_JOB), str(spec_path), str(workdir / f"{name}.out.json")],
-        env=env, capture_output=True, text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
-def run_engine(workdir: Path, name: str, model: Path, dtype: str, *, eager: bool = True,
-               env: dict[str, str] | None = None, force: list[list[int]] | None = None,
-               logprobs: int | None = None, tensor_parallel_size: int = 1,
-               prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS,
-               spec_extra: dict[str, Any] | None = None) -> EngineRun:  # fmt: skip
+def run_engine(
+    workdir: Path,
+    name: str,
+    model: Path,
+    dtype: str,
+    *,
+    eager: bool = True,
+    env: dict[str, str] | None = None,
+    force: list[list[int]] | None = None,
+    logprobs: int | None = None,
+    tensor_parallel_size: int = 1,
+    prompts: list[list[int]] = PROMPTS,
+    max_tokens: int = MAX_TOKENS,
+    spec_extra: dict[str, Any] | None = None,
+) -> EngineRun:
     """Generate ``prompts`` x ``max_tokens`` greedily on ``model``; the stats file of the (first)
     worker is read back. ``spec_extra`` adds engine_job.py spec keys (e.g. ``{"kimi_k3_cpu": True}``)."""
     stats_path = workdir / f"{name}.stats.json"
     stats_path.unlink(missing_ok=True)
-    spec = {"model": str(model), "dtype": dtype, "eager": eager, "max_model_len": MAX_MODEL_LEN,
-            "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs, "force": force,
-            "tensor_parallel_size": tensor_parallel_size, **(spec_extra or {})}  # fmt: skip
+    spec = {
+        "model": str(model),
+        "dtype": dtype,
+        "eager": eager,
+        "max_model_len": MAX_MODEL_LEN,
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+        "force": force,
+        "tensor_parallel_size": tensor_parallel_size,
+        **(spec_extra or {}),
+    }
     proc = run_job(workdir, name, spec, engine_env(FOLDCKPT_STATS_FILE=str(stats_path), **(env or {})))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"engine {name} failed:\n{log[-6000:]}"

@@ -60,8 +60,13 @@ _libraries: dict[str, torch.library.Library] = {}  # kept alive: a dropped Libra
 _installed = False
 
 
-def _check_nope_and_cache(op: str, kv_c_normed: torch.Tensor, k_cache: torch.Tensor,
-                          position_ids: torch.Tensor | None, cos_sin_cache: torch.Tensor | None) -> None:  # fmt: skip
+def _check_nope_and_cache(
+    op: str,
+    kv_c_normed: torch.Tensor,
+    k_cache: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor | None,
+) -> None:
     if position_ids is not None or cos_sin_cache is not None:
         raise NotImplementedError(f"{op}: RoPE (position_ids/cos_sin_cache) is not implemented by this CPU substitute")
     if k_cache.dtype not in _CACHE_DTYPES or k_cache.dtype != kv_c_normed.dtype:
@@ -71,8 +76,13 @@ def _check_nope_and_cache(op: str, kv_c_normed: torch.Tensor, k_cache: torch.Ten
         )
 
 
-def _insert_latent(kv_c_normed: torch.Tensor, k_pe: torch.Tensor, k_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, cache_block_size: int) -> None:  # fmt: skip
+def _insert_latent(
+    kv_c_normed: torch.Tensor,
+    k_pe: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cache_block_size: int,
+) -> None:
     """Write [kv_c_normed | k_pe] of every token with slot >= 0 at cache[slot // bs, slot % bs]."""
     if k_cache.dim() != 3 or k_cache.shape[1] != cache_block_size:
         raise ValueError(f"k_cache must be [num_blocks, {cache_block_size}, entry], got {tuple(k_cache.shape)}")
@@ -87,11 +97,18 @@ def _insert_latent(kv_c_normed: torch.Tensor, k_pe: torch.Tensor, k_cache: torch
     flat[slots, lora:] = k_pe[keep]
 
 
-def key_concat_kv_cache_insert(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,
-                               kv_c_normed: torch.Tensor, k_out: torch.Tensor, k_cache: torch.Tensor,
-                               slot_mapping: torch.Tensor, cache_block_size: int,
-                               position_ids: torch.Tensor | None = None,
-                               cos_sin_cache: torch.Tensor | None = None) -> None:  # fmt: skip
+def key_concat_kv_cache_insert(
+    q: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_c_normed: torch.Tensor,
+    k_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cache_block_size: int,
+    position_ids: torch.Tensor | None = None,
+    cos_sin_cache: torch.Tensor | None = None,
+) -> None:
     """Prefill epilogue: k_out = [k_nope | k_pe] per head; cache insert. ``q`` (rotated in place
     by the RoPE variant) is left untouched on the NoPE path."""
     _check_nope_and_cache(KEY_CONCAT, kv_c_normed, k_cache, position_ids, cos_sin_cache)
@@ -102,11 +119,18 @@ def key_concat_kv_cache_insert(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torc
     _insert_latent(kv_c_normed, k_pe, k_cache, slot_mapping, cache_block_size)
 
 
-def decode_q_concat_kv_cache_insert(ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c_normed: torch.Tensor,
-                                    k_pe: torch.Tensor, mqa_q: torch.Tensor, k_cache: torch.Tensor,
-                                    slot_mapping: torch.Tensor, cache_block_size: int,
-                                    position_ids: torch.Tensor | None = None,
-                                    cos_sin_cache: torch.Tensor | None = None) -> None:  # fmt: skip
+def decode_q_concat_kv_cache_insert(
+    ql_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c_normed: torch.Tensor,
+    k_pe: torch.Tensor,
+    mqa_q: torch.Tensor,
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cache_block_size: int,
+    position_ids: torch.Tensor | None = None,
+    cos_sin_cache: torch.Tensor | None = None,
+) -> None:
     """Decode epilogue: mqa_q = [ql_nope | q_pe] (both may be strided views); cache insert."""
     _check_nope_and_cache(DECODE_CONCAT, kv_c_normed, k_cache, position_ids, cos_sin_cache)
     lora = ql_nope.shape[-1]
@@ -121,11 +145,24 @@ def _rms_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tens
     out.copy_((xf * rrms * weight.float()).to(out.dtype))
 
 
-def fused_qkv_rmsnorm_kernel(q_ptr: torch.Tensor, q_out_ptr: torch.Tensor, q_weight_ptr: torch.Tensor,
-                             q_in_stride: int, q_out_stride: int, kv_ptr: torch.Tensor,
-                             kv_out_ptr: torch.Tensor, kv_weight_ptr: torch.Tensor, kv_in_stride: int,
-                             kv_out_stride: int, eps: float, Q_SIZE: int, KV_SIZE: int,
-                             BLOCK_SIZE: int, launch_pdl: bool, **launch_options: Any) -> None:
+def fused_qkv_rmsnorm_kernel(
+    q_ptr: torch.Tensor,
+    q_out_ptr: torch.Tensor,
+    q_weight_ptr: torch.Tensor,
+    q_in_stride: int,
+    q_out_stride: int,
+    kv_ptr: torch.Tensor,
+    kv_out_ptr: torch.Tensor,
+    kv_weight_ptr: torch.Tensor,
+    kv_in_stride: int,
+    kv_out_stride: int,
+    eps: float,
+    Q_SIZE: int,
+    KV_SIZE: int,
+    BLOCK_SIZE: int,
+    launch_pdl: bool,
+    **launch_options: Any,
+) -> None:
     """``FusedQKVRMSNormKernel.kernel`` on CPU: the launcher binds the tensors to the ``*_ptr``
     parameters and adds launch options (``num_warps``), ignored here."""
     for name, x, size in (("q", q_ptr, Q_SIZE), ("kv", kv_ptr, KV_SIZE)):

@@ -28,14 +28,16 @@ AMX = {"attention_backend": "AMX_MLA"}
 
 @pytest.fixture(scope="module")
 def original_amx(engine_dir: Path, tiny_model: Path) -> EngineRun:
-    return run_engine(engine_dir, "original-bf16-amx", tiny_model, "bfloat16", env={"VLLM_PLUGINS": ""},
-                      logprobs=5, spec_extra=AMX)  # fmt: skip
+    return run_engine(
+        engine_dir, "original-bf16-amx", tiny_model, "bfloat16", env={"VLLM_PLUGINS": ""}, logprobs=5, spec_extra=AMX
+    )
 
 
 def test_the_bf16_fold_on_amx_mla_predicts_the_original_tokens(
     engine_dir: Path, converted_bf16: Path, original_amx: EngineRun
 ) -> None:
-    folded = run_engine(engine_dir, "folded-bf16-amx", converted_bf16, "bfloat16", force=original_amx.tokens,
-                        logprobs=5, spec_extra=AMX)  # fmt: skip
+    folded = run_engine(
+        engine_dir, "folded-bf16-amx", converted_bf16, "bfloat16", force=original_amx.tokens, logprobs=5, spec_extra=AMX
+    )
     assert "Using AMX_MLA backend" in folded.log and LOG_LINE in folded.log
     assert_bf16_fold_predicts(original_amx, folded)

@@ -57,9 +57,13 @@ def test_the_cpu_recipe_serves_a_converted_model(tiny_model: Path, tmp_path: Pat
     output = tmp_path / "recipe.out"  # curl's replies, and the server's log (vLLM logs to stdout)
     with open(output, "wb") as out:
         run = subprocess.Popen(
-            ["bash", "-euc", script.replace("8000", port)], cwd=tmp_path, env=env, stdout=out,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            ["bash", "-euc", script.replace("8000", port)],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             code = run.wait(timeout=RECIPE_TIMEOUT_S)
             served = _stats_after(stats, lambda counts: counts["folded_decode_tokens"] >= 15)

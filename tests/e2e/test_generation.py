@@ -53,15 +53,17 @@ def folded_fp32_compiled(engine_dir: Path, converted_fp32: Path) -> EngineRun:
     """torch.compile'd model, and a routing threshold of 6 decode tokens: the 8-decode steps take
     q_b_proj, the mixed step (6 decodes + 2 prefills) and the last step (2 decodes) take the fold."""
     env = {"FOLDCKPT_FOLD_MAX_TOKENS": "6"}
-    return run_engine(engine_dir, "folded-fp32-compiled", converted_fp32, "float32", eager=False, env=env,
-                      logprobs=LOGPROBS)  # fmt: skip
+    return run_engine(
+        engine_dir, "folded-fp32-compiled", converted_fp32, "float32", eager=False, env=env, logprobs=LOGPROBS
+    )
 
 
 @pytest.fixture(scope="module")
 def folded_fp32_tp2(engine_dir: Path, converted_fp32: Path) -> EngineRun:
     """Two CPU workers (one core each): each loads only its 4 heads' rows of every fold."""
-    return run_engine(engine_dir, "folded-fp32-tp2", converted_fp32, "float32", env=TP2_ENV, logprobs=LOGPROBS,
-                      tensor_parallel_size=2)  # fmt: skip
+    return run_engine(
+        engine_dir, "folded-fp32-tp2", converted_fp32, "float32", env=TP2_ENV, logprobs=LOGPROBS, tensor_parallel_size=2
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +73,14 @@ def original_bf16(engine_dir: Path, tiny_model: Path) -> EngineRun:
 
 @pytest.fixture(scope="module")
 def folded_bf16_forced(engine_dir: Path, converted_bf16: Path, original_bf16: EngineRun) -> EngineRun:
-    return run_engine(engine_dir, "folded-bf16-forced", converted_bf16, "bfloat16",
-                      force=original_bf16.tokens, logprobs=LOGPROBS)  # fmt: skip
+    return run_engine(
+        engine_dir, "folded-bf16-forced", converted_bf16, "bfloat16", force=original_bf16.tokens, logprobs=LOGPROBS
+    )
 
 
 @pytest.fixture(scope="module")
 def converted_without_plugin(engine_dir: Path, converted_bf16: Path) -> EngineRun:
-    return run_engine(engine_dir, "converted-no-plugin", converted_bf16, "bfloat16", env=NO_PLUGIN,
-                      logprobs=LOGPROBS)  # fmt: skip
+    return run_engine(engine_dir, "converted-no-plugin", converted_bf16, "bfloat16", env=NO_PLUGIN, logprobs=LOGPROBS)
 
 
 def test_fp32_fold_generates_the_original_tokens(original_fp32: EngineRun, folded_fp32: EngineRun) -> None:
@@ -117,8 +119,9 @@ def test_compiled_model_with_routing_threshold(original_fp32: EngineRun, folded_
     assert stats["mixed_batches"] >= 1
 
 
-def test_tensor_parallel_ranks_load_their_heads(engine_dir: Path, original_fp32: EngineRun,
-                                                folded_fp32_tp2: EngineRun) -> None:  # fmt: skip
+def test_tensor_parallel_ranks_load_their_heads(
+    engine_dir: Path, original_fp32: EngineRun, folded_fp32_tp2: EngineRun
+) -> None:
     # Only the reduction order of the tp all-reduces differs from the single-worker original.
     assert folded_fp32_tp2.tokens == original_fp32.tokens
     assert max(logprob_gaps(original_fp32, folded_fp32_tp2)) < 1e-3
@@ -134,8 +137,9 @@ def test_bf16_fold_predicts_the_original_tokens(original_bf16: EngineRun, folded
     assert_bf16_fold_predicts(original_bf16, folded_bf16_forced)
 
 
-def test_converted_dir_serves_unchanged_without_the_plugin(original_bf16: EngineRun,
-                                                          converted_without_plugin: EngineRun) -> None:  # fmt: skip
+def test_converted_dir_serves_unchanged_without_the_plugin(
+    original_bf16: EngineRun, converted_without_plugin: EngineRun
+) -> None:
     assert converted_without_plugin.tokens == original_bf16.tokens
     assert converted_without_plugin.logprobs == original_bf16.logprobs
     assert "foldckpt:" not in converted_without_plugin.log
@@ -148,8 +152,15 @@ def test_mtp_speculative_decoding_loads_the_draft_layer_s_fold_too(engine_dir: P
     of the worker (the draft's build replaced the count with its own 1)."""
     model = make_checkpoint(tmp_path / "deepseek-v3-mtp", "deepseek_v3", mtp_layers=1, dtype=torch.float32)
     folded = convert(model, tmp_path / "deepseek-v3-mtp-folded", ConvertOptions(progress=False)).out_dir
-    run = run_engine(engine_dir, "folded-mtp", folded, "float32", prompts=PROMPTS[:2], max_tokens=8,
-                     spec_extra={"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}})  # fmt: skip
+    run = run_engine(
+        engine_dir,
+        "folded-mtp",
+        folded,
+        "float32",
+        prompts=PROMPTS[:2],
+        max_tokens=8,
+        spec_extra={"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
+    )
     assert "foldckpt: folded 2 MLA layers" in run.log and "layers 0, 1\n" in run.log
     assert "foldckpt: folded 1 MLA layers" in run.log and "layers 2 (mtp)" in run.log
     assert run.stats is not None and run.stats["layers_with_fold"] == 3

@@ -56,24 +56,56 @@ SHORT_PROMPTS = [
 LOGPROBS = 5
 
 
-def _run(workdir: Path, name: str, model: Path, dtype: str, prompts: list[list[int]], *,
-         env: dict[str, str] | None = None, force: list[list[int]] | None = None,
-         tensor_parallel_size: int = 1, **spec_extra: Any) -> EngineRun:  # fmt: skip
-    return run_engine(workdir, name, model, dtype, env=env, force=force, logprobs=LOGPROBS,
-                      tensor_parallel_size=tensor_parallel_size, prompts=prompts, max_tokens=MAX_TOKENS,
-                      spec_extra={"kimi_k3_cpu": True, **spec_extra})  # fmt: skip
+def _run(
+    workdir: Path,
+    name: str,
+    model: Path,
+    dtype: str,
+    prompts: list[list[int]],
+    *,
+    env: dict[str, str] | None = None,
+    force: list[list[int]] | None = None,
+    tensor_parallel_size: int = 1,
+    **spec_extra: Any,
+) -> EngineRun:
+    return run_engine(
+        workdir,
+        name,
+        model,
+        dtype,
+        env=env,
+        force=force,
+        logprobs=LOGPROBS,
+        tensor_parallel_size=tensor_parallel_size,
+        prompts=prompts,
+        max_tokens=MAX_TOKENS,
+        spec_extra={"kimi_k3_cpu": True, **spec_extra},
+    )
 
 
 @pytest.fixture(scope="module")
 def k3_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("k3") / "kimi-k3-fp32", "kimi_k3", layers=LAYERS, mtp_layers=1,
-                           dtype=torch.float32, all_mla=True, bf16_experts=True)  # fmt: skip
+    return make_checkpoint(
+        tmp_path_factory.mktemp("k3") / "kimi-k3-fp32",
+        "kimi_k3",
+        layers=LAYERS,
+        mtp_layers=1,
+        dtype=torch.float32,
+        all_mla=True,
+        bf16_experts=True,
+    )
 
 
 @pytest.fixture(scope="module")
 def k3_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("k3") / "kimi-k3-bf16", "kimi_k3", layers=LAYERS, mtp_layers=1,
-                           all_mla=True, bf16_experts=True)  # fmt: skip
+    return make_checkpoint(
+        tmp_path_factory.mktemp("k3") / "kimi-k3-bf16",
+        "kimi_k3",
+        layers=LAYERS,
+        mtp_layers=1,
+        all_mla=True,
+        bf16_experts=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +135,9 @@ def reference_short(engine_dir: Path, k3_fp32: Path) -> EngineRun:
     return _run(engine_dir, "k3-reference-short", k3_fp32, "float32", SHORT_PROMPTS, env=NO_PLUGIN)
 
 
-def _bf16_forced(engine_dir: Path, name: str, model: Path, reference: EngineRun, env: dict[str, str] | None) -> EngineRun:
+def _bf16_forced(
+    engine_dir: Path, name: str, model: Path, reference: EngineRun, env: dict[str, str] | None
+) -> EngineRun:
     return _run(engine_dir, name, model, "bfloat16", SHORT_PROMPTS, env=env, force=reference.tokens)
 
 
@@ -164,14 +198,17 @@ def _accuracy(reference: EngineRun, run: EngineRun) -> str:
     return f"mean |dlogprob| {statistics.mean(gaps):.5f}, top-1 agreement {_agreement(reference, run):.4f}"
 
 
-def test_bf16_fold_is_no_further_from_fp32_than_stock_bf16(stock_bf16: EngineRun, folded_bf16: EngineRun,
-                                                           reference_short: EngineRun) -> None:  # fmt: skip
+def test_bf16_fold_is_no_further_from_fp32_than_stock_bf16(
+    stock_bf16: EngineRun, folded_bf16: EngineRun, reference_short: EngineRun
+) -> None:
     stock, folded = stock_bf16, folded_bf16
     assert stock.tokens == folded.tokens == reference_short.tokens  # the forcing worked
     assert folded.stats is not None and folded.stats["folded_decode_tokens"] == len(SHORT_PROMPTS) * (MAX_TOKENS - 1)
     stock_gaps, folded_gaps = _logprob_gaps(reference_short, stock), _logprob_gaps(reference_short, folded)
-    print(f"bf16 vs fp32 over {len(stock_gaps)} decode steps: stock {_accuracy(reference_short, stock)}; "
-          f"folded {_accuracy(reference_short, folded)}")  # fmt: skip
+    print(
+        f"bf16 vs fp32 over {len(stock_gaps)} decode steps: stock {_accuracy(reference_short, stock)}; "
+        f"folded {_accuracy(reference_short, folded)}"
+    )
     # Both paths round twice in bf16 after fp32 sums: the fold its weight and the query, stock
     # q_b_proj's output and the W_UK bmm's; neither is systematically closer to fp32 (pooled:
     # 0.935 on an AMD EPYC). Bound: the noise of the pooled mean, about 7% from the spread of the
@@ -192,14 +229,18 @@ def test_fp8_fold_serves_dequantized_on_the_cpu_and_stays_close_to_fp32(
     assert folded.tokens == reference_short.tokens
     assert folded.stats is not None and folded.stats["folded_decode_tokens"] == len(SHORT_PROMPTS) * (MAX_TOKENS - 1)
     assert "(fold fp8," in folded.log
-    print(f"vs fp32 over {len(_logprob_gaps(reference_short, folded))} decode steps: stock bf16 "
-          f"{_accuracy(reference_short, stock_bf16)}; bf16 fold {_accuracy(reference_short, folded_bf16)}; "
-          f"fp8 fold {_accuracy(reference_short, folded)}")  # fmt: skip
+    print(
+        f"vs fp32 over {len(_logprob_gaps(reference_short, folded))} decode steps: stock bf16 "
+        f"{_accuracy(reference_short, stock_bf16)}; bf16 fold {_accuracy(reference_short, folded_bf16)}; "
+        f"fp8 fold {_accuracy(reference_short, folded)}"
+    )
     # Pooled over the 4 prompt sets on an AMD EPYC: mean gap 0.0614 against stock's 0.0241 (2.5x),
     # top-1 agreement 0.921 against 0.977: this tiny random model's top logits are near ties, so
     # e4m3's error flips some; a fold served without its scales or with rows mixed up is far beyond.
     assert _agreement(reference_short, folded) >= _agreement(reference_short, stock_bf16) - 0.08
-    assert statistics.mean(_logprob_gaps(reference_short, folded)) <= 4 * statistics.mean(_logprob_gaps(reference_short, stock_bf16))
+    assert statistics.mean(_logprob_gaps(reference_short, folded)) <= 4 * statistics.mean(
+        _logprob_gaps(reference_short, stock_bf16)
+    )
 
 
 def test_the_checkpoint_needs_no_expert_padding_at_tp2(k3_fp32: Path) -> None:
@@ -212,10 +253,12 @@ def test_the_checkpoint_needs_no_expert_padding_at_tp2(k3_fp32: Path) -> None:
     assert text["moe_intermediate_size"] // 2 >= 256
 
 
-def test_tensor_parallel_ranks_load_and_check_their_heads(engine_dir: Path, k3_fp32_folded: Path,
-                                                          stock_fp32: EngineRun) -> None:  # fmt: skip
-    run = _run(engine_dir, "k3-folded-fp32-tp2", k3_fp32_folded, "float32", LONG_PROMPTS, env=TP2_ENV,
-               tensor_parallel_size=2)  # fmt: skip
+def test_tensor_parallel_ranks_load_and_check_their_heads(
+    engine_dir: Path, k3_fp32_folded: Path, stock_fp32: EngineRun
+) -> None:
+    run = _run(
+        engine_dir, "k3-folded-fp32-tp2", k3_fp32_folded, "float32", LONG_PROMPTS, env=TP2_ENV, tensor_parallel_size=2
+    )
     assert run.log.count("foldckpt: folded 2 MLA layers") == 2  # one line per worker
     assert "(tp rank 0 of 2;" in run.log and "(tp rank 1 of 2;" in run.log
     rank1 = json.loads((engine_dir / "k3-folded-fp32-tp2.stats.rank1.json").read_text())
@@ -224,10 +267,12 @@ def test_tensor_parallel_ranks_load_and_check_their_heads(engine_dir: Path, k3_f
     assert run.tokens == stock_fp32.tokens
 
 
-def test_threshold_zero_loads_no_fold_and_serves_stock_tokens(engine_dir: Path, k3_fp32_folded: Path,
-                                                              reference_short: EngineRun) -> None:  # fmt: skip
-    run = _run(engine_dir, "k3-threshold-0", k3_fp32_folded, "float32", SHORT_PROMPTS,
-               env={"FOLDCKPT_FOLD_MAX_TOKENS": "0"})  # fmt: skip
+def test_threshold_zero_loads_no_fold_and_serves_stock_tokens(
+    engine_dir: Path, k3_fp32_folded: Path, reference_short: EngineRun
+) -> None:
+    run = _run(
+        engine_dir, "k3-threshold-0", k3_fp32_folded, "float32", SHORT_PROMPTS, env={"FOLDCKPT_FOLD_MAX_TOKENS": "0"}
+    )
     assert run.tokens == reference_short.tokens
     assert "is served UNFOLDED: the routing threshold" in run.log
     assert "threshold 0 from env: FOLDCKPT_FOLD_MAX_TOKENS=0" in run.log
@@ -235,12 +280,14 @@ def test_threshold_zero_loads_no_fold_and_serves_stock_tokens(engine_dir: Path, 
     assert run.stats is None  # no layer holds a fold, nothing was routed
 
 
-def test_decode_batches_above_the_threshold_take_vllms_path(engine_dir: Path, k3_fp32_folded: Path,
-                                                            stock_fp32: EngineRun) -> None:  # fmt: skip
+def test_decode_batches_above_the_threshold_take_vllms_path(
+    engine_dir: Path, k3_fp32_folded: Path, stock_fp32: EngineRun
+) -> None:
     # Threshold 5: the mixed step (5 decodes next to the 6th prompt's prefill) and the last step
     # (the 6th request's last decode alone) take the fold, the 14 steps of 6 decodes q_b_proj + W_UK.
-    run = _run(engine_dir, "k3-threshold-5", k3_fp32_folded, "float32", LONG_PROMPTS,
-               env={"FOLDCKPT_FOLD_MAX_TOKENS": "5"})  # fmt: skip
+    run = _run(
+        engine_dir, "k3-threshold-5", k3_fp32_folded, "float32", LONG_PROMPTS, env={"FOLDCKPT_FOLD_MAX_TOKENS": "5"}
+    )
     assert run.tokens == stock_fp32.tokens
     stats = run.stats
     assert stats is not None
@@ -249,8 +296,9 @@ def test_decode_batches_above_the_threshold_take_vllms_path(engine_dir: Path, k3
     assert stats["mixed_batches"] == 1
 
 
-def test_corrupted_sidecar_stops_the_engine_naming_the_file(engine_dir: Path, k3_bf16_folded: Path,
-                                                             tmp_path: Path) -> None:  # fmt: skip
+def test_corrupted_sidecar_stops_the_engine_naming_the_file(
+    engine_dir: Path, k3_bf16_folded: Path, tmp_path: Path
+) -> None:
     model = shutil.copytree(k3_bf16_folded, tmp_path / "corrupted")
     (sidecar,) = read_manifest(model).sidecars
     path = model / sidecar
@@ -261,8 +309,16 @@ def test_corrupted_sidecar_stops_the_engine_naming_the_file(engine_dir: Path, k3
     data = bytearray(path.read_bytes())
     data[info.end - 64] ^= 0xFF
     path.write_bytes(bytes(data))
-    spec = {"model": str(model), "dtype": "bfloat16", "eager": True, "max_model_len": MAX_MODEL_LEN,
-            "prompts": SHORT_PROMPTS[:1], "max_tokens": 2, "tensor_parallel_size": 1, "kimi_k3_cpu": True}  # fmt: skip
+    spec = {
+        "model": str(model),
+        "dtype": "bfloat16",
+        "eager": True,
+        "max_model_len": MAX_MODEL_LEN,
+        "prompts": SHORT_PROMPTS[:1],
+        "max_tokens": 2,
+        "tensor_parallel_size": 1,
+        "kimi_k3_cpu": True,
+    }
     proc = run_job(engine_dir, "k3-corrupted", spec, engine_env(), timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0
@@ -270,26 +326,37 @@ def test_corrupted_sidecar_stops_the_engine_naming_the_file(engine_dir: Path, k3
     assert "do not match their head digests" in log
 
 
-def test_hybrid_kimi_k3_reaches_engine_ready_with_every_mla_fold_loaded(engine_dir: Path,
-                                                                        tmp_path: Path) -> None:  # fmt: skip
+def test_hybrid_kimi_k3_reaches_engine_ready_with_every_mla_fold_loaded(engine_dir: Path, tmp_path: Path) -> None:
     # The real pattern: 8 layers, MLA at 1-based 4 and 8 (0-based 3, 7), KDA elsewhere, MTP 8.
-    model = make_checkpoint(tmp_path / "kimi-k3-hybrid", "kimi_k3", layers=8, mtp_layers=1, bf16_experts=True,
-                            vllm_cpu_hybrid=True)  # fmt: skip
+    model = make_checkpoint(
+        tmp_path / "kimi-k3-hybrid", "kimi_k3", layers=8, mtp_layers=1, bf16_experts=True, vllm_cpu_hybrid=True
+    )
     out = convert(model, tmp_path / "kimi-k3-hybrid-folded", ConvertOptions(progress=False)).out_dir
     assert [layer.index for layer in read_manifest(out).geometry.layers] == [3, 7, 8]
-    run = _run(engine_dir, "k3-hybrid", out, "bfloat16", SHORT_PROMPTS[:1], load_only=True,
-               mamba_block_size=MAX_MODEL_LEN)  # fmt: skip
+    run = _run(
+        engine_dir, "k3-hybrid", out, "bfloat16", SHORT_PROMPTS[:1], load_only=True, mamba_block_size=MAX_MODEL_LEN
+    )
     assert "foldckpt: folded 2 MLA layers" in run.log and "layers 3, 7" in run.log
     assert run.stats is not None and run.stats["layers_with_fold"] == 2
 
 
 def test_latency_specialized_decode_stops_the_engine(engine_dir: Path, k3_bf16_folded: Path) -> None:
     # Its fused CuTe query kernel reads q_b_proj.weight and W_UK_T itself: never fold around it.
-    spec = {"model": str(k3_bf16_folded), "dtype": "bfloat16", "eager": True, "max_model_len": MAX_MODEL_LEN,
-            "prompts": SHORT_PROMPTS[:1], "max_tokens": 2, "tensor_parallel_size": 1, "kimi_k3_cpu": True,
-            "additional_config": {"decode_backend": "latency_specialized"}}  # fmt: skip
+    spec = {
+        "model": str(k3_bf16_folded),
+        "dtype": "bfloat16",
+        "eager": True,
+        "max_model_len": MAX_MODEL_LEN,
+        "prompts": SHORT_PROMPTS[:1],
+        "max_tokens": 2,
+        "tensor_parallel_size": 1,
+        "kimi_k3_cpu": True,
+        "additional_config": {"decode_backend": "latency_specialized"},
+    }
     proc = run_job(engine_dir, "k3-latency-specialized", spec, engine_env(), timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert (f"FoldckptError: {k3_bf16_folded}: the foldckpt plugin does not support the latency_specialized "
-            "decode backend (layer 'language_model.model.layers.0.self_attn')") in log  # fmt: skip
+    assert (
+        f"FoldckptError: {k3_bf16_folded}: the foldckpt plugin does not support the latency_specialized "
+        "decode backend (layer 'language_model.model.layers.0.self_attn')"
+    ) in log

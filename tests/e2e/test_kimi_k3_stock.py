@@ -73,8 +73,13 @@ class K3Reference:
 
     def _attention(self, x: torch.Tensor, p: str) -> torch.Tensor:
         c, t = self.c, x.shape[0]
-        heads, nope, rope, v_dim, lora = (c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
-                                          c["v_head_dim"], c["kv_lora_rank"])  # fmt: skip
+        heads, nope, rope, v_dim, lora = (
+            c["num_attention_heads"],
+            c["qk_nope_head_dim"],
+            c["qk_rope_head_dim"],
+            c["v_head_dim"],
+            c["kv_lora_rank"],
+        )
         q_c = self._norm(self._lin(x, f"{p}.q_a_proj.weight"), f"{p}.q_a_layernorm.weight")
         q = self._lin(q_c, f"{p}.q_b_proj.weight").view(t, heads, nope + rope)
         kv_c, k_pe = self._lin(x, f"{p}.kv_a_proj_with_mqa.weight").split([lora, rope], dim=-1)
@@ -128,13 +133,13 @@ def reference_model(k3_all_mla: Path) -> K3Reference:
 def teacher_forced(model: K3Reference, run: EngineRun) -> list[torch.Tensor]:
     """Per prompt: reference logits at the positions that predicted the engine's 32 tokens, with
     the engine's own output as the prefix (one forward per prompt)."""
-    return [model.logits(prompt + out[:-1])[len(prompt) - 1 :] for prompt, out in zip(PROMPTS, run.tokens)]
+    return [model.logits(prompt + out[:-1])[len(prompt) - 1 :] for prompt, out in zip(PROMPTS, run.tokens, strict=True)]
 
 
 def agreement(logits: list[torch.Tensor], run: EngineRun, tie: float) -> tuple[int, int]:
     """(steps whose reference margin is at least ``tie``, how many of those the engine got wrong)."""
     checked = wrong = 0
-    for step_logits, out in zip(logits, run.tokens):
+    for step_logits, out in zip(logits, run.tokens, strict=True):
         top2 = step_logits.topk(2, dim=-1).values
         margin_ok = (top2[:, 0] - top2[:, 1]) >= tie
         predicted = step_logits.argmax(-1)
@@ -172,11 +177,21 @@ def test_generation_is_not_degenerate(k3_fp32: EngineRun, k3_bf16: EngineRun) ->
 def test_hybrid_k3_loads_and_reaches_engine_ready(engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """KDA + MLA (MLA every 4th layer and the last, 1-indexed) + MTP: every weight loads and the
     engine is built; generation is not tried (vLLM's KDA kernels are CUDA/Triton only)."""
-    model = make_checkpoint(tmp_path_factory.mktemp("models") / "kimi-k3-hybrid", "kimi_k3",
-                            bf16_experts=True, vllm_cpu_hybrid=True)  # fmt: skip
-    spec = {"model": str(model), "dtype": "bfloat16", "eager": True, "max_model_len": 1024, "prompts": [],
-            "max_tokens": 1, "tensor_parallel_size": 1, "kimi_k3_cpu": True, "mamba_block_size": 1024,
-            "load_only": True}  # fmt: skip
+    model = make_checkpoint(
+        tmp_path_factory.mktemp("models") / "kimi-k3-hybrid", "kimi_k3", bf16_experts=True, vllm_cpu_hybrid=True
+    )
+    spec = {
+        "model": str(model),
+        "dtype": "bfloat16",
+        "eager": True,
+        "max_model_len": 1024,
+        "prompts": [],
+        "max_tokens": 1,
+        "tensor_parallel_size": 1,
+        "kimi_k3_cpu": True,
+        "mamba_block_size": 1024,
+        "load_only": True,
+    }
     proc = run_job(engine_dir, "k3-stock-hybrid", spec, engine_env(**STOCK))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
@@ -206,10 +221,22 @@ print("ok")
 
 def test_install_is_idempotent_and_keeps_numba_out() -> None:
     here = str(Path(__file__).parent)
-    proc = subprocess.run([sys.executable, "-c", INSTALL_CHECK, here], env=engine_env(**STOCK),
-                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", INSTALL_CHECK, here],
+        env=engine_env(**STOCK),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
     late = "import numba, sys; sys.path.insert(0, sys.argv[1]); import k3_cpu_kernels as k3; k3.install()"
-    proc = subprocess.run([sys.executable, "-c", late, here], env=engine_env(**STOCK),
-                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", late, here],
+        env=engine_env(**STOCK),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode != 0 and "numba is already imported" in proc.stderr

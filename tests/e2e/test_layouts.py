@@ -8,14 +8,13 @@ the original's greedy tokens from OUT_DIR, and the plugin must load the folds fr
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import json
+from pathlib import Path
 
 import pytest
 
-from foldckpt.model.checkpoint import INDEX_NAME
 from foldckpt.convert import ConvertOptions, convert
+from foldckpt.model.checkpoint import INDEX_NAME
 from foldckpt.model.synthetic import make_checkpoint
 from tests.e2e.harness import MAX_MODEL_LEN, PROMPTS, engine_env, requires_vllm, run_job
 
@@ -29,8 +28,17 @@ PLUGIN = {"PYTHONPATH": str(REPO)}
 
 def generate(workdir: Path, name: str, model: Path, env: dict[str, str]) -> tuple[list[list[int]], str]:
     """Greedy tokens of 2 prompts x 4 steps on a fresh engine, and its log."""
-    spec = {"model": str(model), "dtype": "float32", "eager": True, "max_model_len": MAX_MODEL_LEN,
-            "prompts": PROMPTS[:2], "max_tokens": 4, "logprobs": None, "force": None, "tensor_parallel_size": 1}  # fmt: skip
+    spec = {
+        "model": str(model),
+        "dtype": "float32",
+        "eager": True,
+        "max_model_len": MAX_MODEL_LEN,
+        "prompts": PROMPTS[:2],
+        "max_tokens": 4,
+        "logprobs": None,
+        "force": None,
+        "tensor_parallel_size": 1,
+    }
     proc = run_job(workdir, name, spec, engine_env(**env))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"engine {name} on {model} failed:\n{log[-6000:]}"

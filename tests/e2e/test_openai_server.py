@@ -45,9 +45,7 @@ def _free_port() -> int:
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
         return json.loads(response.read())
 
@@ -70,10 +68,23 @@ def server(engine_dir: Path, converted_bf16: Path) -> Iterator[Server]:
     port = _free_port()
     stats_path, log_path = engine_dir / "server.stats.json", engine_dir / "server.log"
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(converted_bf16),
-        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
-        "--enforce-eager", "--max-num-seqs", "4", "--attention-backend", DEFAULT_ATTENTION_BACKEND,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(converted_bf16),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--enforce-eager",
+        "--max-num-seqs",
+        "4",
+        "--attention-backend",
+        DEFAULT_ATTENTION_BACKEND,
+    ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             command, env=engine_env(FOLDCKPT_STATS_FILE=str(stats_path)), stdout=log, stderr=subprocess.STDOUT
@@ -105,8 +116,10 @@ def _stats_after(server: Server, predicate: Any) -> dict[str, int]:
 
 
 def test_completions(server: Server) -> None:
-    reply = _post(f"{server.url}/v1/completions",
-                  {"model": server.model, "prompt": "The fold", "max_tokens": 12, "temperature": 0})  # fmt: skip
+    reply = _post(
+        f"{server.url}/v1/completions",
+        {"model": server.model, "prompt": "The fold", "max_tokens": 12, "temperature": 0},
+    )
     assert reply["usage"]["completion_tokens"] == 12
     assert reply["choices"][0]["finish_reason"] == "length"
     stats = _stats_after(server, lambda s: s["folded_decode_tokens"] >= 11)
@@ -116,8 +129,12 @@ def test_completions(server: Server) -> None:
 
 def test_chat_completions(server: Server) -> None:
     before = _stats_after(server, lambda s: True)
-    body = {"model": server.model, "messages": [{"role": "user", "content": "Fold it."}],
-            "max_tokens": 8, "temperature": 0}  # fmt: skip
+    body = {
+        "model": server.model,
+        "messages": [{"role": "user", "content": "Fold it."}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
     reply = _post(f"{server.url}/v1/chat/completions", body)
     assert reply["choices"][0]["message"]["role"] == "assistant"
     assert reply["usage"]["completion_tokens"] == 8

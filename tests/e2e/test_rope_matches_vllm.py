@@ -21,9 +21,15 @@ rotary = pytest.importorskip("vllm.model_executor.layers.rotary_embedding")
 
 R, L, HEADS = 64, 512, 4
 DEEPSEEK_YARN = {
-    "rope_type": "deepseek_yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-    "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.0, "rope_theta": 10000.0,
-}  # fmt: skip
+    "rope_type": "deepseek_yarn",
+    "factor": 40,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.0,
+    "rope_theta": 10000.0,
+}
 ROPES = {"default": {"rope_type": "default", "rope_theta": 10000.0}, "deepseek_yarn": DEEPSEEK_YARN}
 
 

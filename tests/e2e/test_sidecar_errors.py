@@ -17,8 +17,8 @@ import pytest
 
 from foldckpt.errors import FoldckptError
 from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
-from foldckpt.runtime.loader import open_fold_set
 from foldckpt.io.safetensors_format import read_header
+from foldckpt.runtime.loader import open_fold_set
 from tests.e2e.harness import MAX_MODEL_LEN, PROMPTS, engine_env, requires_vllm, run_job
 
 
@@ -30,8 +30,15 @@ def _copy(converted: Path, dest: Path) -> tuple[Path, Path]:
 
 
 def _start(engine_dir: Path, name: str, model: Path, **env: str) -> tuple[int, str]:
-    spec = {"model": str(model), "dtype": "bfloat16", "eager": True, "max_model_len": MAX_MODEL_LEN,
-            "prompts": PROMPTS[:1], "max_tokens": 2, "tensor_parallel_size": 1}  # fmt: skip
+    spec = {
+        "model": str(model),
+        "dtype": "bfloat16",
+        "eager": True,
+        "max_model_len": MAX_MODEL_LEN,
+        "prompts": PROMPTS[:1],
+        "max_tokens": 2,
+        "tensor_parallel_size": 1,
+    }
     proc = run_job(engine_dir, name, spec, engine_env(**env), timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -76,8 +83,11 @@ def test_a_fold_input_changed_in_place_stops_the_engine(engine_dir: Path, conver
     every file has its recorded size, and the engine served the fold of the old weights beside the
     new ones. It must refuse, naming the shard and the tensor."""
     model, _ = _copy(converted_bf16, tmp_path / "changed-input")
-    source = next(s for s in read_manifest(model).tensors["model.layers.1.self_attn.q_fold.weight"].sources
-                  if s.name.endswith("q_b_proj.weight"))  # fmt: skip
+    source = next(
+        s
+        for s in read_manifest(model).tensors["model.layers.1.self_attn.q_fold.weight"].sources
+        if s.name.endswith("q_b_proj.weight")
+    )
     _flip(model / source.file, read_header(model / source.file).tensors[source.name].start, 0x01)
     returncode, log = _start(engine_dir, "changed-input", model)
     assert returncode != 0

@@ -35,9 +35,15 @@ def _run(path: Path, mode: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-c", _SCRIPT, str(path), mode], stdout=subprocess.PIPE, text=True)
 
 
-FINAL = {"folded_decode_tokens": 3000, "unfolded_decode_tokens": 7, "prefill_tokens": 5000,
-         "mixed_batches": 1000, "layers_with_fold": 2, "graph_captures_folded": 0,
-         "graph_captures_unfolded": 0}  # fmt: skip
+FINAL = {
+    "folded_decode_tokens": 3000,
+    "unfolded_decode_tokens": 7,
+    "prefill_tokens": 5000,
+    "mixed_batches": 1000,
+    "layers_with_fold": 2,
+    "graph_captures_folded": 0,
+    "graph_captures_unfolded": 0,
+}
 
 
 def test_final_counts_land_on_a_normal_exit(tmp_path: Path) -> None:

@@ -53,8 +53,12 @@ FIXED_CONFIGS = (
     KernelConfig(64, 64, 128, 2, 4, 3, mma_f16=True),
     KernelConfig(128, 128, 128, 1, 8, 2, use_tma=True),
 ) + tuple(cfg for _, cfg in FP8_UNTUNED_CONFIGS)
-FIXED_SKINNY = (SkinnyConfig(1, 1, 512, 1), SkinnyConfig(2, 4, 256, 2, pdl=True), SkinnyConfig(4, 8, 512, 4),
-                SkinnyConfig(16, 2, 256, 1))  # fmt: skip
+FIXED_SKINNY = (
+    SkinnyConfig(1, 1, 512, 1),
+    SkinnyConfig(2, 4, 256, 2, pdl=True),
+    SkinnyConfig(4, 8, 512, 4),
+    SkinnyConfig(16, 2, 256, 1),
+)
 
 
 def fp8_weight(n: int, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,8 +252,11 @@ def test_fp8_fold_query_matches_fp64(cuda: torch.device, gen: torch.Generator, n
         ref[..., dims.kv_lora :] = rope_gptj(ref[..., dims.kv_lora :], rope.positions, rope.cos_sin_cache)
         k_ref = rope_gptj(rope.k_pe.double(), rope.positions, rope.cos_sin_cache)
         got = y.view(m, -1, head)
-        parts = {"query": (got, ref), "q_pe": (got[..., dims.kv_lora :], ref[..., dims.kv_lora :]),
-                 "k": (rope.k_out, k_ref)}  # fmt: skip
+        parts = {
+            "query": (got, ref),
+            "q_pe": (got[..., dims.kv_lora :], ref[..., dims.kv_lora :]),
+            "k": (rope.k_out, k_ref),
+        }
         for part, (a, b) in parts.items():
             err = (a.double() - b).norm() / b.norm()
             assert torch.isfinite(a).all() and err < MAX_RELERR, f"N={n} M={m}: {part} relerr {err}"
@@ -282,6 +289,7 @@ def test_fp8_route_max_tokens_reads_its_own_entries(cuda: torch.device, monkeypa
     table = load_table(gpu_key(cuda))
     if table is None or not table.fp8_shapes:
         pytest.skip(f"no [[fp8_shape]] entries in the {gpu_key(cuda)} table")
+
     def dims(n: int, k: int) -> MlaDims:
         return MlaDims(n // MlaDims(1).fold_head, q_lora=k)
 

@@ -118,8 +118,12 @@ def test_skinny_kernel_matches_fp64(cuda: torch.device, gen: torch.Generator, n:
     triton_gemm = pytest.importorskip("foldckpt.runtime.kernels.triton_gemm")
     table = load_table(gpu_key(cuda))
     tabled = [c for key, cfgs in (table.skinny.items() if table is not None else ()) if key[1] == n for c in cfgs]
-    fixed = [SkinnyConfig(1, 1, 512, 2), SkinnyConfig(2, 4, 256, 4, pdl=True), SkinnyConfig(8, 8, 128, 4),
-             SkinnyConfig(16, 2, 256, 8)]  # fmt: skip
+    fixed = [
+        SkinnyConfig(1, 1, 512, 2),
+        SkinnyConfig(2, 4, 256, 4, pdl=True),
+        SkinnyConfig(8, 8, 128, 4),
+        SkinnyConfig(16, 2, 256, 8),
+    ]
     w = torch.randn(n, K, device=cuda, generator=gen).bfloat16()
     for cfg in fixed + tabled:
         for m in range(1, 17):
@@ -297,21 +301,46 @@ SKINNY_TILES = (
 def skinny_table(cuda: torch.device, monkeypatch: pytest.MonkeyPatch) -> tuning.GpuTable:
     """This GPU's table replaced by one whose Kimi-K3 fold shapes take the skinny kernel at every
     M <= 16 (SKINNY_TILES) and torch above."""
-    tiled = {"block_m": 16, "block_n": 64, "block_k": 128, "split_k": 1, "num_warps": 4, "num_stages": 4,
-             "use_tma": False, "rows_per_program": 0, "pdl": True, "rope_epilogue": False}  # fmt: skip
+    tiled = {
+        "block_m": 16,
+        "block_n": 64,
+        "block_k": 128,
+        "split_k": 1,
+        "num_warps": 4,
+        "num_stages": 4,
+        "use_tma": False,
+        "rows_per_program": 0,
+        "pdl": True,
+        "rope_epilogue": False,
+    }
     doc = {
         "meta": {"gpu": gpu_key(cuda)},
         "shape": [
-            {"n": n, "k": K, "fold_max_tokens": 16,
-             "bucket": [{"m_max": 16, "backend": "skinny", **tiled},
-                        {"m_max": TRITON_MAX_M, "backend": "torch", **tiled}]}
+            {
+                "n": n,
+                "k": K,
+                "fold_max_tokens": 16,
+                "bucket": [
+                    {"m_max": 16, "backend": "skinny", **tiled},
+                    {"m_max": TRITON_MAX_M, "backend": "torch", **tiled},
+                ],
+            }
             for n in SHAPES[:3]
-        ],  # fmt: skip
+        ],
         "skinny": [
-            {"role": "fold", "n": n, "k": K, "m_max": c.block_m, "rows": c.rows, "block_k": c.block_k,
-             "num_warps": c.num_warps, "pdl": c.pdl}
-            for n in SHAPES[:3] for c in SKINNY_TILES
-        ],  # fmt: skip
+            {
+                "role": "fold",
+                "n": n,
+                "k": K,
+                "m_max": c.block_m,
+                "rows": c.rows,
+                "block_k": c.block_k,
+                "num_warps": c.num_warps,
+                "pdl": c.pdl,
+            }
+            for n in SHAPES[:3]
+            for c in SKINNY_TILES
+        ],
     }
     table = parse_table(doc, "skinny test table")
     real = tuning.load_table
@@ -503,7 +532,9 @@ def rope_case(
     return rope, rope_gptj(rope.k_pe.double(), rope.positions, rope.cos_sin_cache)
 
 
-def check_query(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rope: QueryRope, k_ref: torch.Tensor, what: str) -> None:
+def check_query(
+    y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rope: QueryRope, k_ref: torch.Tensor, what: str
+) -> None:
     """y and rope.k_out against fp64; the rope columns on their own (a few % of y's norm)."""
     m = x.shape[0]
     ref = (x.double() @ w.double().t()).view(m, -1, HEAD)

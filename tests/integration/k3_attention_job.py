@@ -32,8 +32,8 @@ from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.models.kimi_k3.nvidia.mla import MultiHeadLatentAttention  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 
-from foldckpt.runtime.kimi_k3.nvidia import FoldedKimiK3MLA  # noqa: E402
 from foldckpt.io.safetensors_format import read_header  # noqa: E402
+from foldckpt.runtime.kimi_k3.nvidia import FoldedKimiK3MLA  # noqa: E402
 
 LAYER = "language_model.model.layers.0.self_attn"  # the manifest's first MLA layer: it counts the steps
 STOCK = "stock.layers.0.self_attn"
@@ -60,24 +60,42 @@ def main(inputs_path: Path, out_path: Path) -> None:
     with safe_open(inputs_path, "pt") as handle:
         model = Path(handle.metadata()["model"])
         inputs = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-    args = EngineArgs(model=str(model), dtype="float32", enforce_eager=True, max_model_len=256,
-                      enable_prefix_caching=False, language_model_only=True, skip_tokenizer_init=True,
-                      attention_backend="CPU_MLA")  # fmt: skip
+    args = EngineArgs(
+        model=str(model),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        enable_prefix_caching=False,
+        language_model_only=True,
+        skip_tokenizer_init=True,
+        attention_backend="CPU_MLA",
+    )
     config = args.create_engine_config()
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"file://{out_path}.dist")  # fmt: skip
+    init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"file://{out_path}.dist"
+    )
     torch.set_default_dtype(torch.float32)
     text = config.model_config.hf_text_config
     with set_current_vllm_config(config):
         ensure_model_parallel_initialized(1, 1)
-        kwargs = dict(config=text, hidden_size=text.hidden_size, num_heads=text.num_attention_heads,
-                      qk_nope_head_dim=text.qk_nope_head_dim, qk_rope_head_dim=text.qk_rope_head_dim,
-                      v_head_dim=text.v_head_dim, q_lora_rank=text.q_lora_rank, kv_lora_rank=text.kv_lora_rank,
-                      use_output_gate=bool(text.mla_use_output_gate), cache_config=config.cache_config)  # fmt: skip
-        modules = torch.nn.ModuleDict({
-            "stock": MultiHeadLatentAttention(**kwargs, prefix=STOCK),
-            "folded": FoldedKimiK3MLA(**kwargs, prefix=LAYER),
-        })  # fmt: skip
+        kwargs = dict(
+            config=text,
+            hidden_size=text.hidden_size,
+            num_heads=text.num_attention_heads,
+            qk_nope_head_dim=text.qk_nope_head_dim,
+            qk_rope_head_dim=text.qk_rope_head_dim,
+            v_head_dim=text.v_head_dim,
+            q_lora_rank=text.q_lora_rank,
+            kv_lora_rank=text.kv_lora_rank,
+            use_output_gate=bool(text.mla_use_output_gate),
+            cache_config=config.cache_config,
+        )
+        modules = torch.nn.ModuleDict(
+            {
+                "stock": MultiHeadLatentAttention(**kwargs, prefix=STOCK),
+                "folded": FoldedKimiK3MLA(**kwargs, prefix=LAYER),
+            }
+        )
         assert modules["folded"].fold is not None, "the layer was not folded"
         _load(modules, model)
         process_weights_after_loading(modules, config.model_config, torch.device("cpu"))
@@ -98,15 +116,25 @@ def main(inputs_path: Path, out_path: Path) -> None:
             block_table = torch.tensor([[request] for request, _ in batch], dtype=torch.int32)
             slots = rows.to(torch.int64)
             common = CommonAttentionMetadata(
-                query_start_loc=start, query_start_loc_cpu=start, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                num_reqs=len(batch), num_actual_tokens=len(rows), max_query_len=max(query_lens),
-                max_seq_len=max(seq_lens), block_table_tensor=block_table, slot_mapping=slots,
+                query_start_loc=start,
+                query_start_loc_cpu=start,
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                num_reqs=len(batch),
+                num_actual_tokens=len(rows),
+                max_query_len=max(query_lens),
+                max_seq_len=max(seq_lens),
+                block_table_tensor=block_table,
+                slot_mapping=slots,
                 seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=torch.int32),
-            )  # fmt: skip
+            )
             metadata = builder.build(common_prefix_len=0, common_attn_metadata=common)
             q_c, kv_c, k_pe = (inputs[name][rows] for name in ("q_c", "kv_c_normed", "k_pe"))
-            with set_forward_context({STOCK: metadata, LAYER: metadata}, config, num_tokens=len(rows),
-                                     slot_mapping={STOCK: slots, LAYER: slots}):  # fmt: skip
+            with set_forward_context(
+                {STOCK: metadata, LAYER: metadata},
+                config,
+                num_tokens=len(rows),
+                slot_mapping={STOCK: slots, LAYER: slots},
+            ):
                 for name, module in modules.items():
                     out = torch.full((len(rows), module.num_local_heads * module.v_head_dim), float("nan"))
                     if name == "stock":

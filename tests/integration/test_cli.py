@@ -66,15 +66,16 @@ def kimi_out(kimi: Path) -> tuple[Path, Run]:
         (["verify", "{out}", "--rank", "3"], "--rank and --tp go together"),
         (["verify", "{out}", "--tp", "8"], "--rank and --tp go together"),
         (["verify", "{out}", "--sample", "2"], "--sample applies to --deep"),
-        (["verify", "{out}", "--level", "structure", "--deep"], "--deep is --level deep: it contradicts --level structure"),
+        (
+            ["verify", "{out}", "--level", "structure", "--deep"],
+            "--deep is --level deep: it contradicts --level structure",
+        ),
         (["verify", "{out}", "--level", "everything"], "Invalid value for '--level'"),
         (["frobnicate"], "No such command 'frobnicate'"),
         ([], "no command given; choose one of convert, verify, inspect"),
     ],
 )
-def test_every_usage_error_is_one_line_with_exit_2(
-    kimi: Path, tmp_path: Path, args: list[str], expected: str
-) -> None:
+def test_every_usage_error_is_one_line_with_exit_2(kimi: Path, tmp_path: Path, args: list[str], expected: str) -> None:
     argv = [a.format(model=kimi, out=tmp_path / "out") for a in args]
     line = error_line(run_foldckpt(*argv))
     assert line.startswith("foldckpt: error: ") and expected in line, line
@@ -87,8 +88,10 @@ def test_tp_that_does_not_divide_the_heads_says_so(kimi: Path, tmp_path: Path) -
     assert line == "foldckpt: error: --tp 3: does not divide the model's 8 attention heads"
 
 
-@pytest.mark.parametrize("command", [["convert", "{missing}", "{out}"], ["convert", "{missing}", "{out}", "--dry-run"],
-                                     ["inspect", "{missing}"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "command",
+    [["convert", "{missing}", "{out}"], ["convert", "{missing}", "{out}", "--dry-run"], ["inspect", "{missing}"]],
+)
 def test_a_missing_model_dir_is_named_not_its_config(tmp_path: Path, command: list[str]) -> None:
     missing = tmp_path / "no-such-model"
     line = error_line(run_foldckpt(*[a.format(missing=missing, out=tmp_path / "out") for a in command]))
@@ -199,7 +202,10 @@ def test_ctrl_c_during_verify_deep_keeps_the_levels_it_has_shown(deepseek: tuple
     rest, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, (process.returncode, shown, rest, stderr)
     assert [line.split()[:2] for line in shown] == [
-        ["sha256", read_manifest(reference).file_sha256], ["ok", "manifest"], ["ok", "structure"], ["ok", "content"]
+        ["sha256", read_manifest(reference).file_sha256],
+        ["ok", "manifest"],
+        ["ok", "structure"],
+        ["ok", "content"],
     ]
     assert rest == ""
     assert stderr.splitlines() == ["foldckpt: interrupted by SIGINT"]
@@ -230,7 +236,9 @@ while time.monotonic() < deadline:
 """
 
 
-def test_a_signal_during_torch_s_import_is_raised_once_the_import_is_done(deepseek: tuple[Path, Path], tmp_path: Path) -> None:
+def test_a_signal_during_torch_s_import_is_raised_once_the_import_is_done(
+    deepseek: tuple[Path, Path], tmp_path: Path
+) -> None:
     """SIGTERM while verify --deep imports torch: exit 143 with its one line once the import
     ends. Before, the handler's exception was raised inside the import and swallowed there (a
     convert then ran to the end, exit 0) or left torch half-imported (exit 3)."""
@@ -255,8 +263,9 @@ def test_an_internal_error_exits_3_in_one_line_naming_the_traceback_file(kimi: P
     line = error_line(run, code=3)
     match = re.fullmatch(
         r"foldckpt: internal error: RuntimeError: this torch build is broken; "
-        r"traceback written to (\S+) \(please report it\)", line,
-    )  # fmt: skip
+        r"traceback written to (\S+) \(please report it\)",
+        line,
+    )
     assert match, line
     trace = Path(match.group(1))
     assert trace.parent == tmp_path / "tmp"
@@ -297,8 +306,10 @@ def test_every_ending_freezes_the_collector_before_the_interpreter_s_teardown(ki
     second; frozen, they are skipped. Checked from an atexit hook, which runs before them, for a
     command that succeeds and one that fails."""
     out, _ = kimi_out
-    code = ("import atexit, gc, sys; atexit.register(lambda: print('frozen', gc.get_freeze_count(), file=sys.stderr)); "
-            "from foldckpt.cli import main; main(sys.argv[1:])")  # fmt: skip
+    code = (
+        "import atexit, gc, sys; atexit.register(lambda: print('frozen', gc.get_freeze_count(), file=sys.stderr)); "
+        "from foldckpt.cli import main; main(sys.argv[1:])"
+    )
     for args, expected in ((["verify", str(out), "--deep", "-q"], 0), (["verify", str(out / "nothing")], 2)):
         run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, cwd=REPO)
         assert run.returncode == expected, run.stderr
@@ -311,7 +322,8 @@ def test_every_ending_freezes_the_collector_before_the_interpreter_s_teardown(ki
 
 
 @pytest.mark.parametrize(
-    "args", [["inspect", "{out}"], ["inspect", "{out}", "--json"], ["verify", "{out}"], ["--help"]],
+    "args",
+    [["inspect", "{out}"], ["inspect", "{out}", "--json"], ["verify", "{out}"], ["--help"]],
     ids=["inspect", "inspect-json", "verify", "help"],
 )
 def test_a_reader_that_leaves_ends_the_command_by_sigpipe(kimi_out: tuple[Path, Run], args: list[str]) -> None:
@@ -322,8 +334,10 @@ def test_a_reader_that_leaves_ends_the_command_by_sigpipe(kimi_out: tuple[Path, 
     out, _ = kimi_out
     process = subprocess.Popen(
         [sys.executable, "-m", "foldckpt", *(arg.format(out=out) for arg in args)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert process.stdout is not None and process.stderr is not None
     process.stdout.close()
     stderr = process.stderr.read()
@@ -337,7 +351,10 @@ def test_convert_summary_lists_the_folded_layers_and_the_worst_error(kimi_out: t
     worst = max(manifest.tensors.values(), key=lambda t: t.error["rel_fro_error"])
     lines = run.stdout.splitlines()
     assert "folded     3 of 3 MLA layer(s): 3, 5, 6 (mtp)" in lines
-    assert f"accuracy   max relative error vs fp64 fold {worst.error['rel_fro_error']:.2e} (layer {worst.layer_index})" in lines
+    assert (
+        f"accuracy   max relative error vs fp64 fold {worst.error['rel_fro_error']:.2e} (layer {worst.layer_index})"
+        in lines
+    )
     assert not any(line.startswith("resumed") for line in lines)
 
 
@@ -390,7 +407,9 @@ def test_progress_without_a_tty_is_plain_lines(kimi: Path, tmp_path: Path) -> No
     assert [line.split()[1] for line in folding] == ["1/3", "2/3", "3/3"]
     verify = run_foldckpt("verify", tmp_path / "out")
     assert verify.returncode == 0 and "\r" not in verify.stderr
-    assert re.fullmatch(r"hashing: [\d.]+ [KMG]?B/[\d.]+ [KMG]?B \(100%\) in \d+\.\d s.*\n", verify.stderr), verify.stderr
+    assert re.fullmatch(r"hashing: [\d.]+ [KMG]?B/[\d.]+ [KMG]?B \(100%\) in \d+\.\d s.*\n", verify.stderr), (
+        verify.stderr
+    )
 
 
 def test_progress_lines_are_periodic_not_per_update(kimi: Path, tmp_path: Path) -> None:

@@ -8,8 +8,8 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from types import FrameType
 from pathlib import Path
+from types import FrameType
 
 import pytest
 import torch
@@ -17,16 +17,16 @@ from blake3 import blake3
 from safetensors import safe_open
 
 from foldckpt import defaults
-from foldckpt.model.checkpoint import INDEX_NAME
 from foldckpt.convert import ConvertOptions, convert
+from foldckpt.convert.plan import plan_conversion
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import ROUNDING_TOLERANCE, dequantize_fp8_blocks
-from foldckpt.model.geometry import read_geometry
 from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
-from foldckpt.convert.plan import plan_conversion
-from foldckpt.runtime.loader import open_fold_set
 from foldckpt.io.safetensors_format import read_header
+from foldckpt.model.checkpoint import INDEX_NAME
+from foldckpt.model.geometry import read_geometry
 from foldckpt.model.synthetic import make_checkpoint
+from foldckpt.runtime.loader import open_fold_set
 from foldckpt.verify import VerifyOptions, verify
 from tests.conftest import direct_io_supported, run_foldckpt
 from tests.unit.test_fold import fp64_fold_of_head
@@ -93,9 +93,7 @@ def test_originals_are_byte_identical_hard_links_and_the_index_is_unchanged(
 
 
 @pytest.mark.parametrize("link", ["copy", "symlink"])
-def test_copy_and_symlink_modes_carry_the_same_bytes(
-    converted: Callable[..., tuple[Path, Path]], link: str
-) -> None:
+def test_copy_and_symlink_modes_carry_the_same_bytes(converted: Callable[..., tuple[Path, Path]], link: str) -> None:
     model_dir, out_dir = converted("deepseek_v3", ConvertOptions(progress=False, link=link))
     for source in model_dir.iterdir():
         placed = out_dir / source.name
@@ -142,7 +140,9 @@ def _stored_bytes(path: Path, name: str) -> bytes:
         return handle.get_tensor(name).contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def test_every_recorded_digest_is_its_definition_and_sidecars_shard(make_model: Callable[..., Path], tmp_path: Path) -> None:
+def test_every_recorded_digest_is_its_definition_and_sidecars_shard(
+    make_model: Callable[..., Path], tmp_path: Path
+) -> None:
     """Each digest of the manifest recomputed here, with hashlib and the blake3 library on bytes read
     by safetensors: sha256 of every whole file and sidecar header, BLAKE3 of every head block of a
     fold and of every source tensor it was folded from (the rules the manifest states)."""
@@ -163,10 +163,15 @@ def test_every_recorded_digest_is_its_definition_and_sidecars_shard(make_model: 
         assert tensor.head_blake3 == tuple(blake3(data[h * block : (h + 1) * block]).hexdigest() for h in range(heads))
         for source in tensor.sources:
             assert source.blake3 == blake3(_stored_bytes(model_dir / source.file, source.name)).hexdigest(), source.name
-    assert {"head_blake3", "rank_digest", "sources", "sidecar"} <= set(json.loads((out_dir / MANIFEST_NAME).read_text())["integrity"])
+    assert {"head_blake3", "rank_digest", "sources", "sidecar"} <= set(
+        json.loads((out_dir / MANIFEST_NAME).read_text())["integrity"]
+    )
     layer = next(iter(manifest.geometry.layers))
     leaves = manifest.tensors[layer.q_fold].head_blake3
-    assert open_fold_set(out_dir).rank_digest(layer, 4, 1) == blake3(b"".join(bytes.fromhex(leaf) for leaf in leaves[2:4])).hexdigest()
+    assert (
+        open_fold_set(out_dir).rank_digest(layer, 4, 1)
+        == blake3(b"".join(bytes.fromhex(leaf) for leaf in leaves[2:4])).hexdigest()
+    )
     for tp in (1, 4, 8):  # not the --tp given: the per-head digests serve every size dividing H
         for rank in range(tp):
             assert verify(out_dir, VerifyOptions(progress=False, rank=rank, tp=tp)).ok
@@ -272,7 +277,9 @@ def test_device_cuda_where_torch_sees_no_gpu_is_refused_before_any_fold_and_auto
     device_file.touch()
     monkeypatch.setattr(defaults, "GPU_DEVICE_FILES", (str(device_file),))
     model = make_checkpoint(tmp_path / "model", "deepseek_v3")
-    with pytest.raises(FoldckptError, match=r"--device cuda: torch sees no GPU \(torch.cuda.is_available\(\) is False") as caught:
+    with pytest.raises(
+        FoldckptError, match=r"--device cuda: torch sees no GPU \(torch.cuda.is_available\(\) is False"
+    ) as caught:
         convert(model, tmp_path / "out", ConvertOptions(progress=False, device="cuda"))
     assert str(caught.value).endswith("nothing was folded: rerun with --device cpu or auto, and --restart")
     assert not (tmp_path / "out" / MANIFEST_NAME).exists()

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from foldckpt.inspect import conversion_status, describe_conversion
 from foldckpt.format.manifest import read_manifest
+from foldckpt.inspect import conversion_status, describe_conversion
 from foldckpt.model.synthetic import make_checkpoint
 from tests.conftest import run_foldckpt
 from tests.integration.test_out_dir_confinement import convert_removing_after_the_plan
@@ -113,7 +113,7 @@ def test_the_dry_run_says_how_each_source_will_be_placed_and_the_run_does_so(
 
 
 def test_a_refusal_names_the_parameter_that_differs(model: Path, tmp_path: Path) -> None:
-    """"holds a finished conversion of other inputs or parameters" did not say which."""
+    """ "holds a finished conversion of other inputs or parameters" did not say which."""
     out = tmp_path / "out"
     assert run_foldckpt("convert", model, out, "-q").returncode == 0
     line = assert_refused_alike(model, out, "--fold-dtype", "float32")

@@ -41,8 +41,9 @@ def vllm_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     )
 
     init_file = tmp_path_factory.mktemp("dist") / "init"
-    init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{init_file}", local_rank=0,
-                                 backend="gloo")  # fmt: skip
+    init_distributed_environment(
+        world_size=1, rank=0, distributed_init_method=f"file://{init_file}", local_rank=0, backend="gloo"
+    )
     config = VllmConfig()
     with set_current_vllm_config(config):
         ensure_model_parallel_initialized(1, 1)
@@ -66,8 +67,13 @@ def test_an_fp8_fold_serves_each_row_with_its_own_scale(converted: Converted, vl
     torch.set_default_dtype(torch.float32)  # the model's dtype: vLLM builds its layers in it
     try:
         for layer in g.layers:
-            q_fold = ColumnParallelLinear(g.q_lora_rank, g.num_heads * g.fold_head_dim, bias=False, quant_config=None,
-                                          prefix=f"{layer.prefix}.self_attn.q_fold")  # fmt: skip
+            q_fold = ColumnParallelLinear(
+                g.q_lora_rank,
+                g.num_heads * g.fold_head_dim,
+                bias=False,
+                quant_config=None,
+                prefix=f"{layer.prefix}.self_attn.q_fold",
+            )
             route = Route(16, "env", "a threshold for this test")
             q_fold.quant_method = SidecarFoldMethod(fold_set, layer, build, route, lambda: "NoPE: no RoPE")
             q_fold.quant_method.process_weights_after_loading(q_fold)

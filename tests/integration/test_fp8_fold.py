@@ -17,16 +17,18 @@ import torch
 from safetensors import safe_open
 
 from foldckpt.convert import ConvertOptions
-from foldckpt.io.hashing import head_digests
-from foldckpt.format.manifest import read_manifest, write_manifest
-from foldckpt.runtime.loader import open_fold_set
 from foldckpt.errors import FoldckptError
+from foldckpt.format.manifest import read_manifest, write_manifest
+from foldckpt.io.hashing import head_digests
+from foldckpt.runtime.loader import open_fold_set
 from tests.integration.test_verify import Converted, failed_level, flip_byte, rewrite_tensor, run_verify, tensor_info
 from tests.unit.test_fold import fp64_fold_of_head
 
 FP8 = ConvertOptions(progress=False, fold_dtype="fp8")
 # Every finite e4m3fn value, decoded by torch from its 256 bit patterns (0x7f / 0xff are NaN).
-E4M3_GRID = torch.unique(torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float64))
+E4M3_GRID = torch.unique(
+    torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
+)
 E4M3_GRID = E4M3_GRID[torch.isfinite(E4M3_GRID)]
 
 
@@ -143,7 +145,12 @@ def test_deep_refuses_an_fp8_value_two_steps_off_when_every_hash_was_resealed(co
     data = (out_dir / record.file).read_bytes()
     info = tensor_info(out_dir / record.file, name)
     leaves = head_digests(data[info.start : info.end], manifest.geometry.num_heads)
-    write_manifest(out_dir, dataclasses.replace(manifest, tensors={**manifest.tensors, name: dataclasses.replace(record, head_blake3=leaves)}))
+    write_manifest(
+        out_dir,
+        dataclasses.replace(
+            manifest, tensors={**manifest.tensors, name: dataclasses.replace(record, head_blake3=leaves)}
+        ),
+    )
     assert run_verify(out_dir, "content").ok  # every hash agrees ...
     level = failed_level(run_verify(out_dir), "deep")  # ... the math does not
     assert [(p.file, p.tensor) for p in level.problems] == [(record.file, name)]

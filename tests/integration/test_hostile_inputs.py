@@ -30,12 +30,12 @@ from typing import Any
 import pytest
 import torch
 
-from foldckpt.model.checkpoint import INDEX_NAME
 from foldckpt.convert import ConvertOptions, convert
-from foldckpt.errors import FoldckptError
 from foldckpt.defaults import JOURNAL_NAME
+from foldckpt.errors import FoldckptError
 from foldckpt.format.manifest import MANIFEST_NAME
 from foldckpt.io.safetensors_format import read_header
+from foldckpt.model.checkpoint import INDEX_NAME
 from foldckpt.model.synthetic import make_checkpoint
 from foldckpt.verify import VerifyOptions, verify
 
@@ -81,8 +81,12 @@ def run_cli(*args: str | Path, preexec_fn: Callable[[], None] | None = None, tim
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         launcher = subprocess.Popen(
             [sys.executable, "-c", _MEASURED_LAUNCH, str(report_write), *map(str, args)],
-            stdout=out, stderr=err, preexec_fn=preexec_fn, pass_fds=(report_write,), start_new_session=True,
-        )  # fmt: skip
+            stdout=out,
+            stderr=err,
+            preexec_fn=preexec_fn,
+            pass_fds=(report_write,),
+            start_new_session=True,
+        )
         os.close(report_write)
         watchdog = threading.Timer(timeout, os.killpg, (launcher.pid, signal.SIGKILL))
         watchdog.start()
@@ -380,7 +384,9 @@ def header_nested_too_deeply(model: Path) -> tuple[str, ...]:
 
 def header_with_a_huge_integer(model: Path) -> tuple[str, ...]:
     _, data = split_file(model / SHARD)
-    write_file(model / SHARD, b'{"x": {"dtype": "BF16", "shape": [' + HUGE_INTEGER + b'], "data_offsets": [0, 2]}}', data)
+    write_file(
+        model / SHARD, b'{"x": {"dtype": "BF16", "shape": [' + HUGE_INTEGER + b'], "data_offsets": [0, 2]}}', data
+    )
     return SHARD, "not valid JSON"
 
 
@@ -404,13 +410,35 @@ def index_omits_a_tensor(model: Path) -> tuple[str, ...]:
 
 
 UP_FRONT = [
-    truncated_shard, header_length_over_the_limit, header_length_past_the_end, header_invalid_json,
-    header_not_utf8, header_not_an_object, offsets_overlapping, offsets_beyond_the_file, offsets_wrong_size,
-    index_missing_file, index_dot_dot, index_absolute_path, shard_symlink_outside, other_file_symlink_outside,
-    fifo_in_model_dir, config_is_a_fifo, pickle_shards_only, index_points_at_a_pickle, config_dims_disagree,
-    config_heads_disagree, config_invalid_json, index_invalid_json, index_omits_a_tensor, config_nested_too_deeply,
-    index_with_a_huge_integer, header_nested_too_deeply, header_with_a_huge_integer, index_points_into_a_hidden_directory,
-]  # fmt: skip
+    truncated_shard,
+    header_length_over_the_limit,
+    header_length_past_the_end,
+    header_invalid_json,
+    header_not_utf8,
+    header_not_an_object,
+    offsets_overlapping,
+    offsets_beyond_the_file,
+    offsets_wrong_size,
+    index_missing_file,
+    index_dot_dot,
+    index_absolute_path,
+    shard_symlink_outside,
+    other_file_symlink_outside,
+    fifo_in_model_dir,
+    config_is_a_fifo,
+    pickle_shards_only,
+    index_points_at_a_pickle,
+    config_dims_disagree,
+    config_heads_disagree,
+    config_invalid_json,
+    index_invalid_json,
+    index_omits_a_tensor,
+    config_nested_too_deeply,
+    index_with_a_huge_integer,
+    header_nested_too_deeply,
+    header_with_a_huge_integer,
+    index_points_into_a_hidden_directory,
+]
 
 
 def _limit_address_space() -> None:
@@ -446,10 +474,12 @@ def test_the_pickle_probe_is_live(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("tensor", "value"),
-    [("model.layers.1.self_attn.q_b_proj.weight", float("nan")),
-     ("model.layers.0.self_attn.kv_b_proj.weight", float("inf"))],
+    [
+        ("model.layers.1.self_attn.q_b_proj.weight", float("nan")),
+        ("model.layers.0.self_attn.kv_b_proj.weight", float("inf")),
+    ],
     ids=["nan-in-q_b_proj", "inf-in-kv_b_proj"],
-)  # fmt: skip
+)
 def test_nonfinite_weights_are_refused_unless_allowed(tensor: str, value: float, model: Path, tmp_path: Path) -> None:
     file = set_element(model, tensor, value)
     out = tmp_path / "out"
@@ -477,10 +507,12 @@ def test_nonfinite_weights_are_refused_unless_allowed(tensor: str, value: float,
 
 @pytest.mark.parametrize(
     ("tensor", "dtype", "value"),
-    [("model.layers.0.self_attn.q_b_proj.weight_scale_inv", torch.float32, float("nan")),
-     ("model.layers.0.self_attn.q_b_proj.weight", torch.float8_e4m3fn, float("nan"))],
+    [
+        ("model.layers.0.self_attn.q_b_proj.weight_scale_inv", torch.float32, float("nan")),
+        ("model.layers.0.self_attn.q_b_proj.weight", torch.float8_e4m3fn, float("nan")),
+    ],
     ids=["nan-in-the-scales", "nan-in-the-fp8-weight"],
-)  # fmt: skip
+)
 def test_a_nonfinite_fp8_input_is_named_by_the_file_and_tensor_that_hold_it(
     tensor: str, dtype: torch.dtype, value: float, tmp_path: Path
 ) -> None:
@@ -562,8 +594,12 @@ def test_file_size_limit_on_a_small_buffered_append_is_one_error(tmp_path: Path)
     """A fold smaller than the write buffer fails in flush, and closing retries the flush: that
     second failure must not replace the one-line error with a traceback."""
     path = tmp_path / SIDECAR
-    result = subprocess.run([sys.executable, "-c", _SMALL_APPEND, str(path)], capture_output=True, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGXFSZ, signal.SIG_IGN))  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", _SMALL_APPEND, str(path)],
+        capture_output=True,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGXFSZ, signal.SIG_IGN),
+    )
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     assert result.stdout.strip() == (
         f"{path}: file too large for this filesystem or limit while writing; free space and rerun to resume"
@@ -627,8 +663,9 @@ def obey_file_modes(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], No
     probe.write_text("secret")
     probe.chmod(0)
     try:
-        check = subprocess.run([sys.executable, "-c", f"open({str(probe)!r}).read()"], preexec_fn=preexec,
-                               capture_output=True, text=True)  # fmt: skip
+        check = subprocess.run(
+            [sys.executable, "-c", f"open({str(probe)!r}).read()"], preexec_fn=preexec, capture_output=True, text=True
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"cannot make this root process obey file modes ({exc})")
     if check.returncode == 0:

@@ -85,8 +85,12 @@ def test_a_hub_id_converts_from_the_cache_and_the_manifest_records_repo_and_comm
     assert json.loads(again.stdout)["up_to_date"] is True
 
 
-@pytest.mark.parametrize(("revision", "commit"), [("v2", V2_COMMIT), (MAIN_COMMIT, MAIN_COMMIT), (V2_COMMIT, V2_COMMIT)])
-def test_revision_picks_a_branch_or_a_commit(hub: dict[str, object], tmp_path: Path, revision: str, commit: str) -> None:
+@pytest.mark.parametrize(
+    ("revision", "commit"), [("v2", V2_COMMIT), (MAIN_COMMIT, MAIN_COMMIT), (V2_COMMIT, V2_COMMIT)]
+)
+def test_revision_picks_a_branch_or_a_commit(
+    hub: dict[str, object], tmp_path: Path, revision: str, commit: str
+) -> None:
     out = tmp_path / "out"
     run = run_foldckpt("convert", REPO_ID, out, "--revision", revision, "-q", env=hub["env"])
     assert run.returncode == 0, run.stderr
@@ -113,18 +117,30 @@ def test_dry_run_and_inspect_take_a_hub_id(hub: dict[str, object], tmp_path: Pat
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["acme/not-cached"], "foldckpt: error: acme/not-cached: no such directory, and 'acme/not-cached' is not in "
-                              "the Hugging Face cache ({cache}); foldckpt never downloads: fetch it first with "
-                              "`hf download acme/not-cached`"),
-        ([REPO_ID, "--revision", "v3"], f"foldckpt: error: {REPO_ID}: no such directory, and revision 'v3' of "
-                                        f"'{REPO_ID}' is not in the Hugging Face cache ({{cache}}); foldckpt never "
-                                        f"downloads: fetch it first with `hf download {REPO_ID} --revision v3`"),
-        ([REPO_ID, "--revision", "3" * 40], f"foldckpt: error: {REPO_ID}: no such directory, and revision '{'3' * 40}'"),
+        (
+            ["acme/not-cached"],
+            "foldckpt: error: acme/not-cached: no such directory, and 'acme/not-cached' is not in "
+            "the Hugging Face cache ({cache}); foldckpt never downloads: fetch it first with "
+            "`hf download acme/not-cached`",
+        ),
+        (
+            [REPO_ID, "--revision", "v3"],
+            f"foldckpt: error: {REPO_ID}: no such directory, and revision 'v3' of "
+            f"'{REPO_ID}' is not in the Hugging Face cache ({{cache}}); foldckpt never "
+            f"downloads: fetch it first with `hf download {REPO_ID} --revision v3`",
+        ),
+        (
+            [REPO_ID, "--revision", "3" * 40],
+            f"foldckpt: error: {REPO_ID}: no such directory, and revision '{'3' * 40}'",
+        ),
         ([REPO_ID, "--revision", "3333abc"], f"foldckpt: error: {REPO_ID}: no such directory, and revision '3333abc'"),
         # A shortened hash of a cached commit: named in full, not "fetch it first" (it is cached).
-        ([REPO_ID, "--revision", "2222222"], f"foldckpt: error: {REPO_ID}: --revision 2222222: a commit is named by its "
-                                             f"full 40-character hash (as the Hub takes it); cached commits starting "
-                                             f"with it: {V2_COMMIT}"),
+        (
+            [REPO_ID, "--revision", "2222222"],
+            f"foldckpt: error: {REPO_ID}: --revision 2222222: a commit is named by its "
+            f"full 40-character hash (as the Hub takes it); cached commits starting "
+            f"with it: {V2_COMMIT}",
+        ),
     ],
 )
 def test_an_id_that_is_not_cached_is_one_line_naming_it(

@@ -31,11 +31,28 @@ SETUP = "scripts/setup_venv.sh"
 def checkout_copy(dest: Path) -> Path:
     """The project's files (tracked and new, as git sees them) copied to ``dest``: building a wheel
     writes build/ into the source tree, which must not be the shared checkout."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", "pyproject.toml",
-         "README.md", "foldckpt", "scripts"],
-        cwd=REPO, capture_output=True, check=True,
-    ).stdout.decode().split("\0")  # fmt: skip
+    listed = (
+        subprocess.run(
+            [
+                "git",
+                "ls-files",
+                "-z",
+                "--cached",
+                "--others",
+                "--exclude-standard",
+                "--",
+                "pyproject.toml",
+                "README.md",
+                "foldckpt",
+                "scripts",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         if (REPO / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
@@ -53,9 +70,13 @@ def test_a_clean_install_without_the_test_extra_converts_verifies_and_inspects(t
     venv = tmp_path / "venv"
     started = time.monotonic()
     setup = subprocess.run(
-        ["bash", SETUP, "--plain"], cwd=source, env={**os.environ, "FOLDCKPT_VENV": str(venv)},
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        ["bash", SETUP, "--plain"],
+        cwd=source,
+        env={**os.environ, "FOLDCKPT_VENV": str(venv)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     took = time.monotonic() - started
     assert setup.returncode == 0, setup.stdout[-3000:] + setup.stderr[-3000:]
     steps = setup_lines(setup.stdout)
@@ -67,7 +88,9 @@ def test_a_clean_install_without_the_test_extra_converts_verifies_and_inspects(t
 
     python = venv / "bin" / "python"
     probe = "import importlib.util as u, foldckpt; print(foldckpt.__file__); print([m for m in ('numpy', 'safetensors', 'pytest') if u.find_spec(m)])"
-    where, missing = subprocess.run([python, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True).stdout.splitlines()
+    where, missing = subprocess.run(
+        [python, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     assert Path(where).is_relative_to(venv) and missing == "[]"
 
     model = make_checkpoint(tmp_path / "model", "kimi_k3")
@@ -82,9 +105,13 @@ def test_a_clean_install_without_the_test_extra_converts_verifies_and_inspects(t
     assert "verified in" in run.stdout or "fold       3/3 layers" in run.stdout
 
     again = subprocess.run(
-        ["bash", SETUP, "--plain"], cwd=source, env={**os.environ, "FOLDCKPT_VENV": str(venv)},
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        ["bash", SETUP, "--plain"],
+        cwd=source,
+        env={**os.environ, "FOLDCKPT_VENV": str(venv)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stderr
     assert again.stdout.splitlines() == [
         f"setup: virtualenv {venv} exists (Python 3.11.{again.stdout.split('Python 3.11.')[1].split(')')[0]})",
@@ -130,10 +157,14 @@ def test_setup_fails_fast_naming_the_index_when_no_index_can_give_the_cpu_torch(
     """A machine whose pip sees no index with torch 2.13.0+cpu, and where PyTorch's index does not
     answer: the set-up says so in seconds instead of hanging."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("PIP_")}
-    env.update({
-        "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "FOLDCKPT_VENV": str(tmp_path / "venv"),
-        "FOLDCKPT_TORCH_INDEX": silent_server,
-    })  # fmt: skip
+    env.update(
+        {
+            "PIP_CONFIG_FILE": os.devnull,
+            "PIP_NO_INDEX": "1",
+            "FOLDCKPT_VENV": str(tmp_path / "venv"),
+            "FOLDCKPT_TORCH_INDEX": silent_server,
+        }
+    )
     started = time.monotonic()
     run = subprocess.run(["bash", SETUP], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     took = time.monotonic() - started
@@ -144,7 +175,9 @@ def test_setup_fails_fast_naming_the_index_when_no_index_can_give_the_cpu_torch(
     )
     errors = run.stderr.splitlines()
     assert errors[0].startswith(f"setup: cannot reach {silent_server}/torch/ (")
-    assert errors[1].startswith(f"setup: torch 2.13.0+cpu is neither on the configured pip indexes nor reachable at {silent_server}")
+    assert errors[1].startswith(
+        f"setup: torch 2.13.0+cpu is neither on the configured pip indexes nor reachable at {silent_server}"
+    )
     assert took < 60, f"set-up took {took:.0f} s to give up"
     assert not (tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "torch").exists()
 
@@ -152,8 +185,9 @@ def test_setup_fails_fast_naming_the_index_when_no_index_can_give_the_cpu_torch(
 def configured_indexes_have_cpu_torch() -> bool:
     listed = subprocess.run(
         [sys.executable, "-m", "pip", "index", "versions", "torch", "--timeout", "5", "--retries", "0"],
-        capture_output=True, text=True,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+    ).stdout
     return bool(re.search(r"^Available versions:.*\b2\.13\.0\+cpu\b", listed, re.MULTILINE))
 
 
@@ -162,10 +196,20 @@ def local_simple_index(root: Path) -> str:
     machine's pip configuration): a stand-in for https://download.pytorch.org/whl/cpu."""
     files = root / "files"
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--dest", str(files),
-         "torch==2.13.0+cpu"],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--dest",
+            str(files),
+            "torch==2.13.0+cpu",
+        ],
+        check=True,
+        capture_output=True,
+    )
     for wheel in files.glob("*.whl"):
         project = re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
         page = root / "simple" / project
@@ -194,10 +238,20 @@ def test_on_a_machine_whose_pip_sees_only_pypi_torch_comes_from_the_pytorch_cpu_
         "setup: installing torch 2.13.0+cpu (the CPU build; PyPI's torch is the CUDA one) from PyTorch's CPU "
         f"wheel index {index}, which the configured pip indexes do not include"
     )
-    version = subprocess.run([venv / "bin" / "python", "-c", "import torch; print(torch.__version__)"],
-                             cwd=tmp_path, capture_output=True, text=True, check=True)  # fmt: skip
+    version = subprocess.run(
+        [venv / "bin" / "python", "-c", "import torch; print(torch.__version__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert version.stdout.strip() == "2.13.0+cpu"
     model = make_checkpoint(tmp_path / "model", "deepseek_v3")
-    run = subprocess.run([venv / "bin" / "foldckpt", "convert", model, tmp_path / "out", "-q"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [venv / "bin" / "foldckpt", "convert", model, tmp_path / "out", "-q"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0 and run.stderr == "", run.stderr

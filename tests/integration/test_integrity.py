@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from stat import S_ISLNK
 import random
 import resource
 import struct
@@ -26,6 +25,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from stat import S_ISLNK
 
 import pytest
 import torch
@@ -35,8 +35,8 @@ from safetensors.torch import save_file
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.errors import FoldckptError, ManifestError
 from foldckpt.format.manifest import FORMAT_VERSION, MANIFEST_NAME, encode_manifest, manifest_digest, read_manifest
-from foldckpt.runtime.loader import open_fold_set, served_fold_set
 from foldckpt.io.safetensors_format import read_header
+from foldckpt.runtime.loader import open_fold_set, served_fold_set
 from foldckpt.verify import VerifyOptions, verify
 from tests.conftest import REPO, run_foldckpt
 from tests.integration.test_verify import SMALL_SHARDS, flip_hex_digit_after, reseal_manifest, resign_raw
@@ -144,7 +144,9 @@ def test_the_loader_refuses_a_fold_beside_weights_it_was_not_made_from(converted
     fold_set = open_fold_set(ours)  # sizes and structure agree: nothing up front can tell
     layer = fold_set.geometry.layers[0]
     source = fold_set.manifest.tensors[layer.q_fold].sources[0]
-    with pytest.raises(FoldckptError, match=rf"tensor '{source.name}' is not the one .* belongs to other weights") as caught:
+    with pytest.raises(
+        FoldckptError, match=rf"tensor '{source.name}' is not the one .* belongs to other weights"
+    ) as caught:
         fold_set.read_rows(layer, 1, 0)
     assert caught.value.path == str(ours / source.file) and caught.value.tensor == source.name
 
@@ -159,7 +161,9 @@ def test_the_loader_refuses_a_fold_beside_weights_it_was_not_made_from(converted
     assert fold_set.read_rows(other, 2, 1).shape[0] == fold_set.geometry.fold_shape[0] // 2
 
 
-def test_the_loader_refuses_an_edited_or_unpinned_manifest(converted: Converted, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_loader_refuses_an_edited_or_unpinned_manifest(
+    converted: Converted, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _, out_dir = converted("kimi_k3", ConvertOptions(progress=False, link="copy"))
     digest = hashlib.sha256((out_dir / MANIFEST_NAME).read_bytes()).hexdigest()
     monkeypatch.setenv("FOLDCKPT_EXPECT_MANIFEST_SHA256", digest)
@@ -184,7 +188,9 @@ def test_a_pin_refuses_a_directory_without_a_manifest(converted: Converted, monk
     served = served_fold_set(out_dir)
     assert served is not None and served.manifest.file_sha256 == digest
     for directory in (model_dir, out_dir.with_name("gone")):
-        with pytest.raises(FoldckptError, match=f"{MANIFEST_NAME}: missing, but FOLDCKPT_EXPECT_MANIFEST_SHA256 pins") as caught:
+        with pytest.raises(
+            FoldckptError, match=f"{MANIFEST_NAME}: missing, but FOLDCKPT_EXPECT_MANIFEST_SHA256 pins"
+        ) as caught:
             served_fold_set(directory)
         assert caught.value.path == str(directory / MANIFEST_NAME)
 
@@ -207,10 +213,16 @@ def test_one_definition_of_same_geometry_refuses_a_config_edit_in_verify_and_in_
     edit(config)
     path.unlink()
     path.write_text(json.dumps(config, indent=2))
-    resign_raw(out_dir, lambda d: d["source_files"]["config.json"].update(
-        size=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest()))  # fmt: skip
+    resign_raw(
+        out_dir,
+        lambda d: d["source_files"]["config.json"].update(
+            size=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest()
+        ),
+    )
     report = check(out_dir, "structure")
-    assert not report.ok and [(p.file, report.levels[-1].name) for p in report.problems] == [("config.json", "structure")]
+    assert not report.ok and [(p.file, report.levels[-1].name) for p in report.problems] == [
+        ("config.json", "structure")
+    ]
     assert "describes another model than foldckpt.json was made for" in report.problems[0].what
     with pytest.raises(FoldckptError, match="config.json: describes another model") as caught:
         open_fold_set(out_dir)
@@ -236,7 +248,9 @@ def _ulp_bound(exact: torch.Tensor, w_uk: torch.Tensor, w_qb: torch.Tensor, dtyp
     return torch.exp2(exponent - mantissa) + 2 * p * 2.0**-24 * (w_uk.abs().T @ w_qb.abs())
 
 
-def _fp64_fold(q_b: torch.Tensor, kv_b: torch.Tensor, heads: int, nope: int, rope: int, v: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _fp64_fold(
+    q_b: torch.Tensor, kv_b: torch.Tensor, heads: int, nope: int, rope: int, v: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per head: (exact nope rows, W_UK, W_qb_nope, rope rows), all fp64, from the definition."""
     out = []
     for h in range(heads):
@@ -247,14 +261,18 @@ def _fp64_fold(q_b: torch.Tensor, kv_b: torch.Tensor, heads: int, nope: int, rop
     return out
 
 
-def _assert_one_rounding(stored: torch.Tensor, q_b: torch.Tensor, kv_b: torch.Tensor, heads: int, nope: int, rope: int, v: int) -> None:
+def _assert_one_rounding(
+    stored: torch.Tensor, q_b: torch.Tensor, kv_b: torch.Tensor, heads: int, nope: int, rope: int, v: int
+) -> None:
     lora = kv_b.shape[1]
     per_head = stored.reshape(heads, lora + rope, -1)
     for h, (exact, w_uk, w_qb, w_pe) in enumerate(_fp64_fold(q_b, kv_b, heads, nope, rope, v)):
         got = per_head[h, :lora].to(torch.float64)
         excess = (got - exact).abs() - _ulp_bound(exact, w_uk, w_qb, stored.dtype)
         assert (excess <= 0).all(), f"head {h}: {(excess > 0).sum().item()} element(s) beyond one rounding"
-        assert torch.equal(per_head[h, lora:], w_pe.to(stored.dtype)), f"head {h}: rope rows are not the q_b_proj rows rounded once"
+        assert torch.equal(per_head[h, lora:], w_pe.to(stored.dtype)), (
+            f"head {h}: rope rows are not the q_b_proj rows rounded once"
+        )
 
 
 def _read(path: Path, name: str) -> torch.Tensor:
@@ -311,18 +329,27 @@ def _write_fp8_model(model_dir: Path) -> None:
     d = _FP8
     model_dir.mkdir(parents=True)
     config = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_attention_heads": d["heads"],
-        "q_lora_rank": d["q_lora"], "kv_lora_rank": d["kv_lora"], "qk_nope_head_dim": d["nope"],
-        "qk_rope_head_dim": d["rope"], "v_head_dim": d["v"], "num_hidden_layers": d["layers"],
-        "num_nextn_predict_layers": d["mtp"], "hidden_size": 64,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "num_attention_heads": d["heads"],
+        "q_lora_rank": d["q_lora"],
+        "kv_lora_rank": d["kv_lora"],
+        "qk_nope_head_dim": d["nope"],
+        "qk_rope_head_dim": d["rope"],
+        "v_head_dim": d["v"],
+        "num_hidden_layers": d["layers"],
+        "num_nextn_predict_layers": d["mtp"],
+        "hidden_size": 64,
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
-    }  # fmt: skip
+    }
     (model_dir / "config.json").write_text(json.dumps(config))
     generator = torch.Generator().manual_seed(7)
     tensors = {}
     for layer in range(d["layers"] + d["mtp"]):
-        for name, rows, cols in (("q_b_proj", d["heads"] * (d["nope"] + d["rope"]), d["q_lora"]),
-                                 ("kv_b_proj", d["heads"] * (d["nope"] + d["v"]), d["kv_lora"])):  # fmt: skip
+        for name, rows, cols in (
+            ("q_b_proj", d["heads"] * (d["nope"] + d["rope"]), d["q_lora"]),
+            ("kv_b_proj", d["heads"] * (d["nope"] + d["v"]), d["kv_lora"]),
+        ):
             blocks = (-(-rows // 128), -(-cols // 128))
             scale = torch.rand(blocks, generator=generator) * 0.02 + 0.001  # a different scale per block
             expanded = scale.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
@@ -350,10 +377,14 @@ def test_fp8_with_partial_blocks_matches_an_independent_blockwise_reference(tmp_
     d = _FP8
     for layer in range(3):
         prefix = f"model.layers.{layer}.self_attn"
-        q_b = _dequantize_by_blocks(_read(model_dir / "model.safetensors", f"{prefix}.q_b_proj.weight"),
-                                    _read(model_dir / "model.safetensors", f"{prefix}.q_b_proj.weight_scale_inv"))  # fmt: skip
-        kv_b = _dequantize_by_blocks(_read(model_dir / "model.safetensors", f"{prefix}.kv_b_proj.weight"),
-                                     _read(model_dir / "model.safetensors", f"{prefix}.kv_b_proj.weight_scale_inv"))  # fmt: skip
+        q_b = _dequantize_by_blocks(
+            _read(model_dir / "model.safetensors", f"{prefix}.q_b_proj.weight"),
+            _read(model_dir / "model.safetensors", f"{prefix}.q_b_proj.weight_scale_inv"),
+        )
+        kv_b = _dequantize_by_blocks(
+            _read(model_dir / "model.safetensors", f"{prefix}.kv_b_proj.weight"),
+            _read(model_dir / "model.safetensors", f"{prefix}.kv_b_proj.weight_scale_inv"),
+        )
         stored = _read(out_dir / manifest.tensors[f"{prefix}.q_fold.weight"].file, f"{prefix}.q_fold.weight")
         _assert_one_rounding(stored, q_b, kv_b, d["heads"], d["nope"], d["rope"], d["v"])
     run = run_foldckpt("verify", out_dir, "--deep", "-q")
@@ -366,20 +397,29 @@ def test_fp8_with_partial_blocks_matches_an_independent_blockwise_reference(tmp_
 
 EXPECTED_LAYERS = {  # (family, make_checkpoint kwargs) -> [(config index, tensor prefix, is_mtp)]
     ("deepseek_v3", (("layers", 2), ("mtp_layers", 1))): [
-        (0, "model.layers.0", False), (1, "model.layers.1", False), (2, "model.layers.2", True)],
+        (0, "model.layers.0", False),
+        (1, "model.layers.1", False),
+        (2, "model.layers.2", True),
+    ],
     ("kimi_k25", ()): [(0, "language_model.model.layers.0", False), (1, "language_model.model.layers.1", False)],
     # Kimi-K3, 6 layers: MLA every 4th (1-based) and the last, i.e. config indices 3 and 5, plus MTP 6
     ("kimi_k3", ()): [
-        (3, "language_model.model.layers.3", False), (5, "language_model.model.layers.5", False),
-        (6, "language_model.model.layers.6", True)],
+        (3, "language_model.model.layers.3", False),
+        (5, "language_model.model.layers.5", False),
+        (6, "language_model.model.layers.6", True),
+    ],
     ("kimi_k3", (("layers", 8),)): [
-        (3, "language_model.model.layers.3", False), (7, "language_model.model.layers.7", False),
-        (8, "language_model.model.layers.8", True)],
-}  # fmt: skip
+        (3, "language_model.model.layers.3", False),
+        (7, "language_model.model.layers.7", False),
+        (8, "language_model.model.layers.8", True),
+    ],
+}
 
 
 @pytest.mark.parametrize(("family", "kwargs"), list(EXPECTED_LAYERS), ids=lambda v: str(v))
-def test_convert_and_verify_cover_exactly_the_expected_mla_layers(converted: Converted, family: str, kwargs: tuple) -> None:
+def test_convert_and_verify_cover_exactly_the_expected_mla_layers(
+    converted: Converted, family: str, kwargs: tuple
+) -> None:
     _, out_dir = converted(family, **dict(kwargs))
     expected = EXPECTED_LAYERS[(family, kwargs)]
     manifest = read_manifest(out_dir)
@@ -397,7 +437,9 @@ def _file_types(out_dir: Path) -> dict[str, tuple[str, int, int]]:
     manifest = read_manifest(out_dir)
     sidecar = next(iter(manifest.sidecars))
     header = read_header(out_dir / sidecar)
-    shard = max((n for n in manifest.source_files if n.endswith(".safetensors")), key=lambda n: manifest.source_files[n].size)
+    shard = max(
+        (n for n in manifest.source_files if n.endswith(".safetensors")), key=lambda n: manifest.source_files[n].size
+    )
     shard_header = read_header(out_dir / shard)
     size = lambda name: (out_dir / name).stat().st_size  # noqa: E731
     return {
@@ -415,7 +457,9 @@ def _file_types(out_dir: Path) -> dict[str, tuple[str, int, int]]:
 FLIPS_PER_TYPE = 12
 
 
-def test_tamper_fuzz_catches_every_single_bit_flip_and_every_pinned_forgery(converted: Converted, capsys: pytest.CaptureFixture) -> None:
+def test_tamper_fuzz_catches_every_single_bit_flip_and_every_pinned_forgery(
+    converted: Converted, capsys: pytest.CaptureFixture
+) -> None:
     _, out_dir = converted("kimi_k3", ConvertOptions(progress=False, link="copy"))
     rng = random.Random(12)
     caught: dict[str, int] = {}
@@ -454,7 +498,9 @@ def test_tamper_fuzz_catches_every_single_bit_flip_and_every_pinned_forgery(conv
     _flip(out_dir / tensor.file, info.start + 1000)  # a fold's low bit: within any tolerance
     reseal_manifest(out_dir)
     forged = [check(out_dir).ok]
-    resign_raw(out_dir, lambda d: d["tensors"][tensor.name]["error_vs_fp64"].update(rel_fro_error=1e-9))  # manifest only
+    resign_raw(
+        out_dir, lambda d: d["tensors"][tensor.name]["error_vs_fp64"].update(rel_fro_error=1e-9)
+    )  # manifest only
     forged.append(check(out_dir).ok)
     assert all(forged), "a consistent forgery is indistinguishable without a pin"
     report = check(out_dir, expect_manifest_sha256=pinned)
@@ -493,11 +539,18 @@ def _verify_deep(out_dir: Path, limit: int | None = None) -> subprocess.Complete
     env = {**os.environ, "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [sys.executable, "-c", _VMPEAK, "verify", str(out_dir), "--deep", "-q", "--workers", "2"],
-        capture_output=True, text=True, timeout=600, env=env, preexec_fn=_limited(limit), check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        preexec_fn=_limited(limit),
+        check=False,
+    )
 
 
-def test_verify_deep_runs_in_bounded_address_space_whatever_the_file_sizes(make_model: Callable[..., Path], tmp_path: Path) -> None:
+def test_verify_deep_runs_in_bounded_address_space_whatever_the_file_sizes(
+    make_model: Callable[..., Path], tmp_path: Path
+) -> None:
     small_model = make_model("deepseek_v3")
     convert(small_model, tmp_path / "small", ConvertOptions(progress=False))
     baseline = _verify_deep(tmp_path / "small")
@@ -514,7 +567,9 @@ def test_verify_deep_runs_in_bounded_address_space_whatever_the_file_sizes(make_
 
 
 @pytest.mark.parametrize("version", [1, 2, 3, 4])
-def test_an_output_of_an_older_manifest_format_is_refused_then_replaced_by_restart(converted: Converted, version: int) -> None:
+def test_an_output_of_an_older_manifest_format_is_refused_then_replaced_by_restart(
+    converted: Converted, version: int
+) -> None:
     model_dir, out_dir = converted("deepseek_v3")
     path = out_dir / MANIFEST_NAME
     data = json.loads(path.read_bytes())
@@ -540,7 +595,10 @@ def test_an_output_of_an_older_manifest_format_is_refused_then_replaced_by_resta
                 source["sha256"] = source.pop("blake3")
         data["manifest_sha256"] = manifest_digest(data)
     path.write_bytes(encode_manifest(data))
-    for attempt in (lambda: open_fold_set(out_dir), lambda: convert(model_dir, out_dir, ConvertOptions(progress=False))):
+    for attempt in (
+        lambda: open_fold_set(out_dir),
+        lambda: convert(model_dir, out_dir, ConvertOptions(progress=False)),
+    ):
         with pytest.raises(FoldckptError, match=f"manifest format {version} .* reconvert") as caught:
             attempt()
         assert not isinstance(caught.value, ManifestError)  # unusable input (exit 2), not a failed check
@@ -549,7 +607,9 @@ def test_an_output_of_an_older_manifest_format_is_refused_then_replaced_by_resta
 
 
 @pytest.mark.parametrize("version", [1, 2, 3, 4, 6])
-def test_an_edited_format_version_fails_the_self_digest_not_the_format_check(converted: Converted, version: int) -> None:
+def test_an_edited_format_version_fails_the_self_digest_not_the_format_check(
+    converted: Converted, version: int
+) -> None:
     """``"format_version": 5`` edited in the file's bytes: an edit of a current manifest (exit 1,
     self-digest), not an output of an older foldckpt to reconvert (exit 2), which the format check,
     run before the digest, called it."""
@@ -560,7 +620,9 @@ def test_an_edited_format_version_fails_the_self_digest_not_the_format_check(con
     path.write_bytes(raw.replace(b'"format_version": 5,', f'"format_version": {version},'.encode()))
     run = run_foldckpt("verify", out_dir, "-q")
     assert run.returncode == 1, run.stdout + run.stderr
-    assert "FAIL manifest" in run.stdout and "its self-digest (manifest_sha256) does not match its content" in run.stdout
+    assert (
+        "FAIL manifest" in run.stdout and "its self-digest (manifest_sha256) does not match its content" in run.stdout
+    )
     assert "reconvert" not in run.stdout + run.stderr
     with pytest.raises(ManifestError, match="self-digest"):
         open_fold_set(out_dir)

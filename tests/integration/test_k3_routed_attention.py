@@ -29,8 +29,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from foldckpt.convert import ConvertOptions
-from foldckpt.model.geometry import Geometry
 from foldckpt.format.manifest import read_manifest
+from foldckpt.model.geometry import Geometry
 from tests.e2e.harness import engine_env
 from tests.integration.test_verify import Converted
 
@@ -46,8 +46,16 @@ BLOCK = 16  # k3_attention_job.BLOCK: request r's token at position p is input r
 STEPS = [[(0, 5), (1, 7)], [(0, 1), (1, 1), (2, 6)], [(0, 1), (1, 1), (2, 1)]]
 
 
-def fp64_mla(q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, q_c: torch.Tensor, kv_c: torch.Tensor,
-             k_pe: torch.Tensor, rows: list[int], context: list[int]) -> torch.Tensor:  # fmt: skip
+def fp64_mla(
+    q_b: torch.Tensor,
+    kv_b: torch.Tensor,
+    g: Geometry,
+    q_c: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    rows: list[int],
+    context: list[int],
+) -> torch.Tensor:
     """Causal NoPE MLA of the query rows ``rows`` over the key rows ``context`` (earlier positions
     of the same request, and itself), per head, in fp64; ``[len(rows), H*V]``."""
     p, r, v, h = g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim, g.num_heads
@@ -61,8 +69,14 @@ def fp64_mla(q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, q_c: torch.Tens
 
 
 def test_routed_attention_matches_fp64_and_counts_what_each_path_took(converted: Converted, tmp_path: Path) -> None:
-    _, out_dir = converted("kimi_k3", ConvertOptions(progress=False, fold_dtype="float32"), layers=2, all_mla=True,
-                           bf16_experts=True, dtype=torch.float32)  # fmt: skip
+    _, out_dir = converted(
+        "kimi_k3",
+        ConvertOptions(progress=False, fold_dtype="float32"),
+        layers=2,
+        all_mla=True,
+        bf16_experts=True,
+        dtype=torch.float32,
+    )
     g = read_manifest(out_dir).geometry
     gen = torch.Generator().manual_seed(7)
     tokens = len(STEPS[1]) * BLOCK  # one block of rows per request
@@ -88,19 +102,38 @@ def test_routed_attention_matches_fp64_and_counts_what_each_path_took(converted:
             for req, count in batch:
                 done[req] += count
             # Each request's rows of this batch attend over its rows so far (this batch's included).
-            want = torch.cat([
-                fp64_mla(q_b, kv_b, g, inputs["q_c"], inputs["kv_c_normed"], inputs["k_pe"],
-                         [row for row in rows if row // BLOCK == req], [req * BLOCK + pos for pos in range(done[req])])
-                for req, _ in batch
-            ])  # fmt: skip
+            want = torch.cat(
+                [
+                    fp64_mla(
+                        q_b,
+                        kv_b,
+                        g,
+                        inputs["q_c"],
+                        inputs["kv_c_normed"],
+                        inputs["k_pe"],
+                        [row for row in rows if row // BLOCK == req],
+                        [req * BLOCK + pos for pos in range(done[req])],
+                    )
+                    for req, _ in batch
+                ]
+            )
             for path in ("stock", "folded"):
                 got = outputs.get_tensor(f"{path}.{step}").double()
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()),
-                                           msg=lambda m, path=path, step=step: f"{path} step {step}: {m}")  # fmt: skip
+                torch.testing.assert_close(
+                    got,
+                    want,
+                    rtol=1e-4,
+                    atol=1e-4 * float(want.abs().max()),
+                    msg=lambda m, path=path, step=step: f"{path} step {step}: {m}",
+                )
     counts = json.loads(stats.read_text())
     # Step 0 prefill only (q_b_proj); step 1: 2 decode rows folded beside a 6-row prefill; step 2: 3 decodes folded.
-    assert (counts["folded_decode_tokens"], counts["unfolded_decode_tokens"], counts["prefill_tokens"],
-            counts["mixed_batches"]) == (2 + 3, 0, 5 + 7 + 6, 1)  # fmt: skip
+    assert (
+        counts["folded_decode_tokens"],
+        counts["unfolded_decode_tokens"],
+        counts["prefill_tokens"],
+        counts["mixed_batches"],
+    ) == (2 + 3, 0, 5 + 7 + 6, 1)
 
 
 def _tensor(out_dir: Path, name: str) -> torch.Tensor:

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from foldckpt.io.files import tmp_path_for
 from foldckpt.defaults import JOURNAL_NAME
 from foldckpt.format.manifest import MANIFEST_NAME
+from foldckpt.io.files import tmp_path_for
 from foldckpt.model.synthetic import make_checkpoint
 from foldckpt.verify import VerifyOptions, verify
 from tests.conftest import REPO, run_foldckpt

@@ -25,12 +25,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from foldckpt.model.checkpoint import INDEX_NAME
 from foldckpt.convert import ConvertOptions, convert
-from foldckpt.io.files import exclusive_lock
 from foldckpt.defaults import JOURNAL_NAME
 from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
+from foldckpt.io.files import exclusive_lock
 from foldckpt.io.safetensors_format import read_header
+from foldckpt.model.checkpoint import INDEX_NAME
 from foldckpt.model.synthetic import make_checkpoint
 from tests.conftest import run_foldckpt
 from tests.integration.test_resume import (
@@ -101,7 +101,9 @@ def test_single_file_source_gets_a_generated_index_that_lists_only_its_weights(t
 def test_indexed_source_gets_no_generated_file(model: Path, tmp_path: Path) -> None:
     convert(model, tmp_path / "out", ConvertOptions(progress=False))
     manifest = read_manifest(tmp_path / "out")
-    assert manifest.generated_files == () and "generated_files" not in json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())
+    assert manifest.generated_files == () and "generated_files" not in json.loads(
+        (tmp_path / "out" / MANIFEST_NAME).read_text()
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,8 +127,9 @@ def test_resume_refuses_a_source_changed_since_the_killed_run_naming_it(
     out = tmp_path / "out"
     process = subprocess.Popen(
         [sys.executable, "-m", "foldckpt", *convert_args(src, out, "--link", link)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     from tests.integration.test_resume import journaled_layers, kill_when
 
     assert kill_when(process, lambda: journaled_layers(out) >= 2)
@@ -211,16 +214,24 @@ def scaled_model(tmp_path: Path, factor: float, layer: int = 1, dtype: torch.dty
     return model
 
 
-@pytest.mark.parametrize(("fold_dtype", "factor", "advice"), [
-    ("float16", 2000, "choose --fold-dtype bfloat16 or float32"),
-    ("float32", 1e20, "no fold dtype holds it"),  # the fp32 accumulation itself overflows: no wider dtype helps
-])  # fmt: skip
-def test_fold_overflowing_its_dtype_is_an_error_naming_the_layer(tmp_path: Path, fold_dtype: str, factor: float, advice: str) -> None:
+@pytest.mark.parametrize(
+    ("fold_dtype", "factor", "advice"),
+    [
+        ("float16", 2000, "choose --fold-dtype bfloat16 or float32"),
+        ("float32", 1e20, "no fold dtype holds it"),  # the fp32 accumulation itself overflows: no wider dtype helps
+    ],
+)
+def test_fold_overflowing_its_dtype_is_an_error_naming_the_layer(
+    tmp_path: Path, fold_dtype: str, factor: float, advice: str
+) -> None:
     model = scaled_model(tmp_path, factor)
     line = one_error_line(run_foldckpt("convert", model, tmp_path / "out", "--fold-dtype", fold_dtype, "-q"))
     assert "MLA layer 1" in line and f"overflows {fold_dtype}" in line and advice in line, line
     if fold_dtype == "float16":
-        assert run_foldckpt("convert", model, tmp_path / "out", "--fold-dtype", "float32", "-q", "--restart").returncode == 0
+        assert (
+            run_foldckpt("convert", model, tmp_path / "out", "--fold-dtype", "float32", "-q", "--restart").returncode
+            == 0
+        )
 
 
 def test_fold_underflowing_float16_is_an_error_naming_the_layer_and_its_rows(tmp_path: Path) -> None:
@@ -231,11 +242,15 @@ def test_fold_underflowing_float16_is_an_error_naming_the_layer_and_its_rows(tmp
     line = one_error_line(run_foldckpt("convert", model, tmp_path / "out", "--fold-dtype", "float16", "-q"))
     assert "MLA layer 1" in line and "'s ql_nope rows" in line and "float16's smallest normal" in line, line
     assert "choose --fold-dtype bfloat16 or float32" in line, line
-    assert run_foldckpt("convert", model, tmp_path / "out", "--fold-dtype", "bfloat16", "-q", "--restart").returncode == 0
+    assert (
+        run_foldckpt("convert", model, tmp_path / "out", "--fold-dtype", "bfloat16", "-q", "--restart").returncode == 0
+    )
     assert verify_cli(tmp_path / "out", "--deep").returncode == 0
 
 
-def test_verify_deep_fails_on_a_fold_whose_ql_nope_rows_underflowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_verify_deep_fails_on_a_fold_whose_ql_nope_rows_underflowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An output made without the convert-time check (an older foldckpt): the deep level measures
     the ql_nope rows on their own and refuses them."""
     import foldckpt.convert.layer
@@ -245,7 +260,9 @@ def test_verify_deep_fails_on_a_fold_whose_ql_nope_rows_underflowed(tmp_path: Pa
     convert(model, tmp_path / "out", ConvertOptions(fold_dtype="float16", progress=False))
     run = verify_cli(tmp_path / "out", "--deep")
     assert run.returncode == 1, run.stdout
-    assert "'model.layers.1.self_attn.q_fold.weight' is not the fold of its sources rounded once" in run.stdout, run.stdout
+    assert "'model.layers.1.self_attn.q_fold.weight' is not the fold of its sources rounded once" in run.stdout, (
+        run.stdout
+    )
 
 
 def one_head_scaled_model(tmp_path: Path, factor: float, dtype: torch.dtype, head: int = 3) -> Path:
@@ -262,12 +279,15 @@ def one_head_scaled_model(tmp_path: Path, factor: float, dtype: torch.dtype, hea
     return model
 
 
-@pytest.mark.parametrize(("factor", "dtype", "fold_dtype"), [
-    # W_UKᵀ·W_qb_nope below 1e-39: bf16's subnormals (the fold is exact, then rounded once: only the
-    # stored dtype's range can lose the head)
-    (1e-38, torch.bfloat16, "bfloat16"),
-    (1e-4, torch.bfloat16, "float16"),  # near 1e-6: fp16's subnormals
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("factor", "dtype", "fold_dtype"),
+    [
+        # W_UKᵀ·W_qb_nope below 1e-39: bf16's subnormals (the fold is exact, then rounded once: only the
+        # stored dtype's range can lose the head)
+        (1e-38, torch.bfloat16, "bfloat16"),
+        (1e-4, torch.bfloat16, "float16"),  # near 1e-6: fp16's subnormals
+    ],
+)
 def test_one_head_of_weights_below_the_fold_dtypes_range_is_refused_by_convert(
     tmp_path: Path, factor: float, dtype: torch.dtype, fold_dtype: str
 ) -> None:
@@ -275,7 +295,9 @@ def test_one_head_of_weights_below_the_fold_dtypes_range_is_refused_by_convert(
     drowned in it) whose ql_nope rows underflowed was written with exit 0."""
     model = one_head_scaled_model(tmp_path, factor, dtype)
     line = one_error_line(run_foldckpt("convert", model, tmp_path / "out", "--fold-dtype", fold_dtype, "-q"))
-    assert "MLA layer 1" in line and "in head 3's ql_nope rows" in line and f"one rounding to {fold_dtype}" in line, line
+    assert "MLA layer 1" in line and "in head 3's ql_nope rows" in line and f"one rounding to {fold_dtype}" in line, (
+        line
+    )
 
 
 def test_verify_deep_judges_each_head_against_the_tolerance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -290,7 +312,9 @@ def test_verify_deep_judges_each_head_against_the_tolerance(tmp_path: Path, monk
     convert(model, tmp_path / "out", ConvertOptions(fold_dtype="float16", progress=False))
     run = verify_cli(tmp_path / "out", "--deep")
     assert run.returncode == 1, run.stdout
-    assert "'model.layers.1.self_attn.q_fold.weight' is not the fold of its sources rounded once" in run.stdout, run.stdout
+    assert "'model.layers.1.self_attn.q_fold.weight' is not the fold of its sources rounded once" in run.stdout, (
+        run.stdout
+    )
     assert "in head 3's ql_nope rows is more than one rounding to float16" in run.stdout, run.stdout
 
 
@@ -321,7 +345,9 @@ def test_verify_deep_fails_on_a_float32_fold_with_one_element_off_by_400_ulps(
     convert(model, out, ConvertOptions(fold_dtype="float32", progress=False))
     run = verify_cli(out, "--deep")
     assert run.returncode == 1, run.stdout
-    assert "element(s) beyond one rounding of the fp64 fold" in run.stdout and "tolerance 1.0e-06" in run.stdout, run.stdout
+    assert "element(s) beyond one rounding of the fp64 fold" in run.stdout and "tolerance 1.0e-06" in run.stdout, (
+        run.stdout
+    )
 
 
 def test_an_all_zero_layer_converts_and_verifies_deep(tmp_path: Path) -> None:
@@ -378,10 +404,11 @@ def test_two_concurrent_converts_into_one_out_dir(model: Path, tmp_path: Path) -
     for extra in ((model, ()), (other, ("--restart",))):
         commands = [convert_args(model, out), convert_args(extra[0], out, *extra[1])]
         procs = [
-            subprocess.Popen([sys.executable, "-m", "foldckpt", *args], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                [sys.executable, "-m", "foldckpt", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
             for args in commands
-        ]  # fmt: skip
+        ]
         results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]  # type: ignore[union-attr]
         assert 0 in [code for code, _ in results], results
         for code, err in results:

@@ -88,8 +88,11 @@ def run_demo(work: Path, entries: list[Entry]) -> list[tuple[list[str], int]]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     subprocess.run(
         [sys.executable, str(REPO / "scripts" / "make_tiny_checkpoint.py"), "--family", "kimi_k3", MODEL],
-        cwd=work, env=env, check=True, capture_output=True,
-    )  # fmt: skip
+        cwd=work,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     results = []
     for entry in entries:
         if entry.comment == FLIP:  # demo.sh: printf '\xff' | dd of=SIDECAR bs=1 seek=4096 conv=notrunc
@@ -99,7 +102,12 @@ def run_demo(work: Path, entries: list[Entry]) -> list[tuple[list[str], int]]:
         words = shlex.split(entry.command)
         assert words[0] == "foldckpt", entry.command
         run = subprocess.run(
-            [sys.executable, "-m", "foldckpt", *words[1:]], cwd=work, env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, "-m", "foldckpt", *words[1:]],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         results.append(((run.stdout + run.stderr).rstrip("\n").splitlines(), run.returncode))
     return results

@@ -28,11 +28,11 @@ from typing import Any
 import pytest
 
 from foldckpt.convert import ConvertOptions, convert
-from foldckpt.errors import FoldckptError
-from foldckpt.io.files import TMP_SUFFIX, tmp_path_for
-from foldckpt.defaults import JOURNAL_NAME
-from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
 from foldckpt.convert.plan import SIDECAR_PREFIX
+from foldckpt.defaults import JOURNAL_NAME
+from foldckpt.errors import FoldckptError
+from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
+from foldckpt.io.files import TMP_SUFFIX, tmp_path_for
 from foldckpt.model.synthetic import make_checkpoint
 from foldckpt.verify import VerifyOptions, verify
 from tests.conftest import run_foldckpt
@@ -56,8 +56,9 @@ def convert_args(model: Path, out: Path, *extra: str) -> list[str]:
 def spawn_convert(model: Path, out: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "foldckpt", *convert_args(model, out)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def sidecar_bytes(out: Path) -> int:
@@ -235,8 +236,10 @@ def test_killed_at_random_points_then_resumed_is_byte_identical_and_redoes_no_jo
         if not (out / MANIFEST_NAME).exists():
             assert_refused_by_verify(out)
         result = resume_in_process(model, out)
-        print(f"kill {number} by {how} at {at:.4g}: {'killed' if was_killed else 'finished first'} "
-              f"{where}; resumed run folded {result['layers_folded']} of {LAYERS - journaled} left")  # fmt: skip
+        print(
+            f"kill {number} by {how} at {at:.4g}: {'killed' if was_killed else 'finished first'} "
+            f"{where}; resumed run folded {result['layers_folded']} of {LAYERS - journaled} left"
+        )
         # The resumed run folds exactly what the journal had not recorded: nothing durable is redone.
         assert result["layers_folded"] == LAYERS - journaled
         # A finished run is up to date, not resumed: nothing of it counts as resumed.
@@ -245,8 +248,10 @@ def test_killed_at_random_points_then_resumed_is_byte_identical_and_redoes_no_jo
         left_at_kill += LAYERS - journaled
         assert_identical(out, reference_dir)
         assert verify(out, VerifyOptions(progress=False)).ok
-    print(f"{killed}/{len(points)} runs killed; resumed runs folded {folded_on_resume} layers, "
-          f"{left_at_kill} were left: {folded_on_resume - left_at_kill} journaled layers redone")  # fmt: skip
+    print(
+        f"{killed}/{len(points)} runs killed; resumed runs folded {folded_on_resume} layers, "
+        f"{left_at_kill} were left: {folded_on_resume - left_at_kill} journaled layers redone"
+    )
     assert killed >= len(points) - 2, "most kill points must land before the run finishes"
 
 
@@ -312,9 +317,11 @@ def test_half_done_out_dir_is_refused_by_verify_and_refuses_other_parameters_unl
             resume_in_process(model, out, **other)
     result = convert(model, out, ConvertOptions(max_shard_size=3_000_000, restart=True, progress=False))
     assert result.layers_folded == LAYERS
-    assert sorted(result.sidecars) == sorted(p.name for p in out.glob(f"{SIDECAR_PREFIX}*")) == [
-        "foldckpt-00001-of-00002.safetensors", "foldckpt-00002-of-00002.safetensors"
-    ]  # fmt: skip
+    assert (
+        sorted(result.sidecars)
+        == sorted(p.name for p in out.glob(f"{SIDECAR_PREFIX}*"))
+        == ["foldckpt-00001-of-00002.safetensors", "foldckpt-00002-of-00002.safetensors"]
+    )
     assert not list(out.glob(f".*{TMP_SUFFIX}")) and not (out / JOURNAL_NAME).exists()
     assert verify(out, VerifyOptions(progress=False)).ok
 
@@ -428,7 +435,7 @@ def test_a_kept_fold_damaged_between_two_runs_is_folded_again_on_resume(
     kept): the rerun appended after the offset, and every rerun ended in exit 3."""
     for attempt in range(20):
         out = tmp_path / f"out-{attempt}"
-        if kill_when(spawn_convert(model, out), lambda: _kept_fold_in_unfinished_sidecar(out) is not None):
+        if kill_when(spawn_convert(model, out), lambda out=out: _kept_fold_in_unfinished_sidecar(out) is not None):
             break
     else:
         pytest.skip("no kill landed between two layers of one sidecar in 20 runs")

@@ -23,8 +23,11 @@ def test_kimi_k3_main_and_mtp_modules_find_their_folds(converted: Callable[..., 
     fold_set = open_fold_set(out_dir)
     found = {
         name: (layer.index, layer.is_mtp)
-        for name in ("language_model.model.layers.3.self_attn", "language_model.model.layers.5.self_attn",
-                     "model.layers.6.mtp_block.self_attn")  # fmt: skip
+        for name in (
+            "language_model.model.layers.3.self_attn",
+            "language_model.model.layers.5.self_attn",
+            "model.layers.6.mtp_block.self_attn",
+        )
         for layer in [fold_set.layer_for_module(name)]
     }
     assert found == {
@@ -32,8 +35,11 @@ def test_kimi_k3_main_and_mtp_modules_find_their_folds(converted: Callable[..., 
         "language_model.model.layers.5.self_attn": (5, False),
         "model.layers.6.mtp_block.self_attn": (6, True),
     }
-    for kda_or_absent in ("language_model.model.layers.0.self_attn", "language_model.model.layers.4.self_attn",
-                          "model.layers.3.self_attn.extra"):  # fmt: skip
+    for kda_or_absent in (
+        "language_model.model.layers.0.self_attn",
+        "language_model.model.layers.4.self_attn",
+        "model.layers.3.self_attn.extra",
+    ):
         with pytest.raises(FoldckptError, match=f"vLLM built the MLA layer '{kda_or_absent}'"):
             fold_set.layer_for_module(kda_or_absent)
 

@@ -21,15 +21,22 @@ import torch
 
 from foldckpt.convert import ConvertOptions
 from foldckpt.errors import FoldckptError
-from foldckpt.format.consistency import header_sha256
-from foldckpt.format.manifest import MANIFEST_NAME, SidecarRecord, read_manifest, write_manifest
 from foldckpt.fold import reference_fold_heads
+from foldckpt.format.consistency import header_sha256
+from foldckpt.format.manifest import (
+    DIGEST_KEY,
+    MANIFEST_NAME,
+    SidecarRecord,
+    encode_manifest,
+    manifest_digest,
+    read_manifest,
+    write_manifest,
+)
+from foldckpt.io.direct_io import DIRECT_CHUNK
+from foldckpt.io.files import HASH_BUFFER
+from foldckpt.io.hashing import chunks, head_digests, in_page_cache
 from foldckpt.io.safetensors_format import TensorInfo, read_header
 from foldckpt.tensors import TORCH_DTYPES, read_tensor
-from foldckpt.io.files import HASH_BUFFER
-from foldckpt.io.direct_io import DIRECT_CHUNK
-from foldckpt.io.hashing import chunks, head_digests, in_page_cache
-from foldckpt.format.manifest import DIGEST_KEY, encode_manifest, manifest_digest
 from foldckpt.verify import LEVELS, LevelResult, Problem, VerifyOptions, VerifyReport, check_deep, verify
 from tests.conftest import direct_io_supported, evict_from_page_cache, run_foldckpt
 
@@ -115,7 +122,10 @@ def reseal_manifest(out_dir: Path) -> None:
         info = tensor_info(path, name)
         data = path.read_bytes()[info.start : info.end]
         tensors[name] = dataclasses.replace(tensor, head_blake3=head_digests(data, manifest.geometry.num_heads))
-    sidecars = {name: SidecarRecord((out_dir / name).stat().st_size, header_sha256(read_header(out_dir / name))) for name in manifest.sidecars}
+    sidecars = {
+        name: SidecarRecord((out_dir / name).stat().st_size, header_sha256(read_header(out_dir / name)))
+        for name in manifest.sidecars
+    }
     write_manifest(out_dir, dataclasses.replace(manifest, tensors=tensors, sidecars=sidecars))
 
 
@@ -281,7 +291,11 @@ def test_cli_a_deleted_sidecar_exits_1_and_the_json_names_it(converted: Converte
     (problem,) = report["levels"][0]["problems"]
     assert problem["file"] == sidecar and problem["what"] == "listed in foldckpt.json but missing"
     text = run_foldckpt("verify", out_dir, "--quiet")
-    assert text.returncode == 1 and f"- {sidecar}: listed in foldckpt.json but missing" in text.stdout and "verification FAILED" in text.stdout
+    assert (
+        text.returncode == 1
+        and f"- {sidecar}: listed in foldckpt.json but missing" in text.stdout
+        and "verification FAILED" in text.stdout
+    )
 
 
 @pytest.mark.parametrize("stray", ["foldckpt-00002-of-00002.safetensors", "model-00004-of-00004.safetensors"])
@@ -340,10 +354,20 @@ def add_temporary_file(out_dir: Path, outside: Path) -> str:
     return ".config.json.foldckpt-tmp"
 
 
-@pytest.mark.parametrize("add", [
-    add_chat_template, add_remote_code, add_tokenizer_link, add_dangling_link, add_nested_folder, add_empty_folder,
-    add_hidden_file, add_fifo, add_temporary_file,
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "add",
+    [
+        add_chat_template,
+        add_remote_code,
+        add_tokenizer_link,
+        add_dangling_link,
+        add_nested_folder,
+        add_empty_folder,
+        add_hidden_file,
+        add_fifo,
+        add_temporary_file,
+    ],
+)
 def test_every_entry_the_manifest_does_not_list_fails_verify_and_serving_unless_allowed(
     converted: Converted, tmp_path: Path, add: Callable[[Path, Path], str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -370,7 +394,9 @@ def test_every_entry_the_manifest_does_not_list_fails_verify_and_serving_unless_
     report = json.loads(allowed.stdout)
     assert report["allow_extra"] == {"patterns": ["nothing-*", f"{entry[:3]}*"], "allowed": [entry]}
     printed = run_foldckpt("verify", out_dir, "--quiet", "--allow-extra", f"{entry[:3]}*")
-    assert printed.returncode == 0 and f"allowed by --allow-extra '{entry[:3]}*': {entry}" in printed.stdout, printed.stdout
+    assert printed.returncode == 0 and f"allowed by --allow-extra '{entry[:3]}*': {entry}" in printed.stdout, (
+        printed.stdout
+    )
     monkeypatch.setenv("FOLDCKPT_ALLOW_EXTRA", f"nothing-*:{entry[:3]}*")
     assert open_fold_set(out_dir).manifest.file_sha256 == pinned
 
@@ -385,7 +411,9 @@ def test_a_conversions_resume_journal_fails_verify_whatever_is_allowed(converted
     assert "- .foldckpt-journal.json: the resume journal of a convert that has not finished" in run.stdout, run.stdout
 
 
-def test_a_symlink_where_the_manifest_needs_a_folder_fails_verify(make_model: Callable[..., Path], tmp_path: Path) -> None:
+def test_a_symlink_where_the_manifest_needs_a_folder_fails_verify(
+    make_model: Callable[..., Path], tmp_path: Path
+) -> None:
     """A folder of listed files (``original/``) replaced by a symlink to a copy elsewhere: the files
     still hash right, but what serves is no longer OUT_DIR's own."""
     from foldckpt.convert import convert
@@ -503,8 +531,11 @@ def test_cli_a_manifest_that_is_no_longer_json_fails_verification_naming_it(conv
     assert f"- {MANIFEST_NAME}: invalid JSON" in run.stdout and "Traceback" not in run.stdout + run.stderr
 
 
-@pytest.mark.parametrize("hostile", [b"[" * 100_000 + b"]" * 100_000, b'{"format": ' + b"7" * 5000 + b"}"],
-                         ids=["nested-too-deeply", "huge-integer"])  # fmt: skip
+@pytest.mark.parametrize(
+    "hostile",
+    [b"[" * 100_000 + b"]" * 100_000, b'{"format": ' + b"7" * 5000 + b"}"],
+    ids=["nested-too-deeply", "huge-integer"],
+)
 def test_cli_a_manifest_python_cannot_parse_fails_verification_in_exit_1(converted: Converted, hostile: bytes) -> None:
     """JSON that ``json.loads`` refuses with RecursionError or a digit-limit ValueError (not a
     JSONDecodeError) used to end verify and inspect in exit 3, "internal error"."""
@@ -632,8 +663,11 @@ def test_deep_catches_a_wrong_fold_whose_hashes_were_resealed(converted: Convert
     (tensor,) = fold_names(out_dir, SIDECARS[1])
     geometry = read_manifest(out_dir).geometry
     heads = geometry.num_heads, geometry.fold_head_dim, geometry.q_lora_rank
-    rewrite_tensor(out_dir / SIDECARS[1], tensor_info(out_dir / SIDECARS[1], tensor),
-                   lambda t: t.reshape(heads)[[1, 0, *range(2, heads[0])]].reshape(t.shape))  # swap heads 0 and 1
+    rewrite_tensor(
+        out_dir / SIDECARS[1],
+        tensor_info(out_dir / SIDECARS[1], tensor),
+        lambda t: t.reshape(heads)[[1, 0, *range(2, heads[0])]].reshape(t.shape),
+    )  # swap heads 0 and 1
     reseal_manifest(out_dir)
     assert run_verify(out_dir, "content").ok  # every hash agrees with the bytes ...
     level = failed_level(run_verify(out_dir), "deep")  # ... but the fold is not the fold of its sources
@@ -647,7 +681,10 @@ def test_deep_accepts_another_rounding_and_refuses_a_two_ulp_forgery(converted: 
 
     info = tensor_info(out_dir / SIDECARS[0], tensor)
     manifest = read_manifest(out_dir)
-    q_b, kv_b = (read_tensor(out_dir / src.file, tensor_info(out_dir / src.file, src.name)) for src in manifest.tensors[tensor].sources)
+    q_b, kv_b = (
+        read_tensor(out_dir / src.file, tensor_info(out_dir / src.file, src.name))
+        for src in manifest.tensors[tensor].sources
+    )
     exact = reference_fold_heads(q_b, kv_b, manifest.geometry, (0,))[0, 0, 0].item()
 
     def other_rounding(t: torch.Tensor) -> torch.Tensor:  # element 0 one ulp toward the fp64 value
@@ -740,4 +777,6 @@ def test_cli_unusable_directories_exit_2_with_one_line(make_model: Callable[...,
         assert run.returncode == 2, run.stdout + run.stderr
         lines = run.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"foldckpt: error: {message}"), run.stderr
-        assert json.loads(run.stdout) == {"error": {"code": 2, "kind": "input", "message": lines[0].removeprefix("foldckpt: error: ")}}
+        assert json.loads(run.stdout) == {
+            "error": {"code": 2, "kind": "input", "message": lines[0].removeprefix("foldckpt: error: ")}
+        }

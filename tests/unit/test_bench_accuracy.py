@@ -97,8 +97,14 @@ def test_every_path_is_measured_and_close_to_the_fp64_query(bench: ModuleType) -
     from dataclasses import replace
 
     figures = bench._measure("gaussian", replace(bench.K3, num_heads=2), 8, (0,), 0)
-    assert set(figures["paths"]) == {"fold_bf16", "fold_fp8_row", "fold_fp8_block128", "fold_fp8_row_w8a8",
-                                     "unfolded_bf16", "unfolded_mxfp4_wuk"}  # fmt: skip
+    assert set(figures["paths"]) == {
+        "fold_bf16",
+        "fold_fp8_row",
+        "fold_fp8_block128",
+        "fold_fp8_row_w8a8",
+        "unfolded_bf16",
+        "unfolded_mxfp4_wuk",
+    }
     for name, stats in figures["paths"].items():
         worst = max(stats["ql_nope_rel_err"]["worst"], stats["q_pe_rel_err"]["worst"])
         assert worst < (0.25 if "mxfp4" in name else 0.1), (name, stats)

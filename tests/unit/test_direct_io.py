@@ -13,12 +13,22 @@ import pytest
 from blake3 import blake3
 
 from foldckpt.io.direct_io import (
-    ALIGN, DIRECT_CHUNK, HUGE_PAGE, BufferPool, DiskPriority, DurableAppender, aligned_buffer, buffer_address,
-    direct_reader, open_direct, read_direct,
-)  # fmt: skip
+    ALIGN,
+    DIRECT_CHUNK,
+    HUGE_PAGE,
+    BufferPool,
+    DiskPriority,
+    DurableAppender,
+    aligned_buffer,
+    buffer_address,
+    direct_reader,
+    open_direct,
+    read_direct,
+)
 from foldckpt.io.files import HASH_BUFFER
 from foldckpt.io.hashing import HashJob, RangeCheck, hash_job, in_page_cache
 from tests.conftest import direct_io_supported, evict_from_page_cache
+
 
 @pytest.fixture
 def data_file(tmp_path: Path) -> tuple[Path, bytes]:
@@ -218,12 +228,17 @@ def test_durable_appends_bypass_the_page_cache_where_supported(tmp_path: Path) -
     os.close(appender.fd)
 
 
-@pytest.mark.parametrize(("start", "size", "staged"), [
-    (0, 3 * ALIGN, 0),  # whole blocks from page-aligned memory at a block boundary: written as they are
-    (2 * ALIGN, 3 * ALIGN + 100, 100),  # the partial last block is staged
-    (5, 3 * ALIGN, 3 * ALIGN),  # behind a partial block of the file: every byte goes through the stage
-])  # fmt: skip
-def test_page_aligned_parts_are_written_without_a_staging_copy(tmp_path: Path, start: int, size: int, staged: int) -> None:
+@pytest.mark.parametrize(
+    ("start", "size", "staged"),
+    [
+        (0, 3 * ALIGN, 0),  # whole blocks from page-aligned memory at a block boundary: written as they are
+        (2 * ALIGN, 3 * ALIGN + 100, 100),  # the partial last block is staged
+        (5, 3 * ALIGN, 3 * ALIGN),  # behind a partial block of the file: every byte goes through the stage
+    ],
+)
+def test_page_aligned_parts_are_written_without_a_staging_copy(
+    tmp_path: Path, start: int, size: int, staged: int
+) -> None:
     if not direct_io_supported(tmp_path):
         pytest.skip("this filesystem has no O_DIRECT")
     path = tmp_path / "out.bin"

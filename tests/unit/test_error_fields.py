@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from foldckpt.model.checkpoint import INDEX_NAME, list_files_to_place, open_source_checkpoint
-from foldckpt.format.consistency import Problem
-from foldckpt.errors import FoldckptError
-from foldckpt.model.geometry import CONFIG_NAME, geometry_from_config, read_geometry
 from foldckpt.convert.plan import plan_conversion
+from foldckpt.errors import FoldckptError
+from foldckpt.format.consistency import Problem
 from foldckpt.io.safetensors_format import read_header
+from foldckpt.model.checkpoint import INDEX_NAME, list_files_to_place, open_source_checkpoint
+from foldckpt.model.geometry import CONFIG_NAME, geometry_from_config, read_geometry
 from foldckpt.model.synthetic import make_checkpoint
 
 SHARD = "model-00001-of-00002.safetensors"
@@ -314,19 +314,22 @@ def test_whole_file_header_errors_carry_the_shard_and_no_tensor(model: Path) -> 
 
     shard.write_bytes(original[:4])  # a truncated header
     _assert_fields(
-        _fails(lambda: open_source_checkpoint(model)), shard,
+        _fails(lambda: open_source_checkpoint(model)),
+        shard,
         "not a valid safetensors file: file is 4 bytes, too short for a header (truncated?)",
-    )  # fmt: skip
+    )
     shard.write_bytes(original[:-2])  # truncated tensor data
     _assert_fields(
-        _fails(lambda: open_source_checkpoint(model)), shard,
+        _fails(lambda: open_source_checkpoint(model)),
+        shard,
         f"not a valid safetensors file: tensor data needs {size} bytes but the file has {size - 2} (truncated?)",
-    )  # fmt: skip
+    )
     shard.write_bytes(original + b"\0" * 3)
     _assert_fields(
-        _fails(lambda: open_source_checkpoint(model)), shard,
+        _fails(lambda: open_source_checkpoint(model)),
+        shard,
         "not a valid safetensors file: 3 trailing bytes after the last tensor",
-    )  # fmt: skip
+    )
 
 
 def test_an_unreadable_dtype_carries_the_shard_and_the_tensor(model: Path) -> None:
@@ -366,4 +369,6 @@ def test_plan_errors_carry_the_shard_and_the_tensor(tmp_path: Path) -> None:
     error = caught.value
     assert error.tensor is not None and error.tensor.endswith("self_attn.q_b_proj.weight")
     assert error.path is not None and Path(error.path).parent == model and Path(error.path).suffix == ".safetensors"
-    assert error.detail.startswith(f"tensor '{error.tensor}' has shape") and str(error) == f"{error.path}: {error.detail}"
+    assert (
+        error.detail.startswith(f"tensor '{error.tensor}' has shape") and str(error) == f"{error.path}: {error.detail}"
+    )

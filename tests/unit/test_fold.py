@@ -9,18 +9,34 @@ import torch
 
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import (
-    ROUNDING_TOLERANCE, dequantize_fp8_blocks, fold_error, fold_layer, probe_error, sample_heads,
+    ROUNDING_TOLERANCE,
+    dequantize_fp8_blocks,
+    fold_error,
+    fold_layer,
+    probe_error,
+    sample_heads,
     underflow_suspects,
-)  # fmt: skip
+)
 from foldckpt.model.geometry import Geometry, MLALayer
 
-TINY = Geometry("deepseek", "DeepseekV3ForCausalLM", num_heads=8, q_lora_rank=64, kv_lora_rank=512,
-                qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, layers=(MLALayer(0, "model.layers.0"),))  # fmt: skip
+TINY = Geometry(
+    "deepseek",
+    "DeepseekV3ForCausalLM",
+    num_heads=8,
+    q_lora_rank=64,
+    kv_lora_rank=512,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=64,
+    v_head_dim=32,
+    layers=(MLALayer(0, "model.layers.0"),),
+)
 # Kimi-K3's per-head dimensions (fewer heads to stay fast).
 K3_HEADS = replace(TINY, num_heads=4, q_lora_rank=1536, qk_nope_head_dim=128, v_head_dim=128)
 
 
-def random_weights(g: Geometry, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+def random_weights(
+    g: Geometry, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     q_b = torch.randn(g.q_b_proj_shape, generator=generator) / g.q_lora_rank**0.5
     kv_b = torch.randn(g.kv_b_proj_shape, generator=generator) / g.kv_lora_rank**0.5
@@ -48,7 +64,10 @@ def test_fold_matches_fp64_reference_per_head(geometry: Geometry, out_dtype: tor
         error = (fold[h].double() - reference).norm() / reference.norm()
         assert error < ROUNDING_TOLERANCE[out_dtype], f"head {h}: {error}"
         # The rope rows are copied, not computed: exact.
-        assert torch.equal(fold[h, geometry.kv_lora_rank :], q_b.reshape(geometry.num_heads, -1, geometry.q_lora_rank)[h, geometry.qk_nope_head_dim :].to(out_dtype))
+        assert torch.equal(
+            fold[h, geometry.kv_lora_rank :],
+            q_b.reshape(geometry.num_heads, -1, geometry.q_lora_rank)[h, geometry.qk_nope_head_dim :].to(out_dtype),
+        )
 
 
 def test_fold_reproduces_the_two_step_query_on_random_inputs() -> None:
@@ -74,8 +93,14 @@ def test_fold_error_reports_a_corrupted_head() -> None:
     assert probe_error(fold, q_b, kv_b, TINY) > 1e-4
 
 
-def _expected_error(stored: torch.Tensor, q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, heads: tuple[int, ...],
-                    scale: torch.Tensor | None) -> tuple[dict[str, float], float]:  # fmt: skip
+def _expected_error(
+    stored: torch.Tensor,
+    q_b: torch.Tensor,
+    kv_b: torch.Tensor,
+    g: Geometry,
+    heads: tuple[int, ...],
+    scale: torch.Tensor | None,
+) -> tuple[dict[str, float], float]:
     """Per row group the worst head's relative Frobenius error, and max |difference|, straight from
     the definitions."""
     values = stored.double().reshape(g.num_heads, g.fold_head_dim, -1)
@@ -84,8 +109,10 @@ def _expected_error(stored: torch.Tensor, q_b: torch.Tensor, kv_b: torch.Tensor,
     diffs = torch.stack([values[h] - fp64_fold_of_head(q_b, kv_b, g, h) for h in heads])
     refs = torch.stack([fp64_fold_of_head(q_b, kv_b, g, h) for h in heads])
     lora = g.kv_lora_rank
-    rows = {"ql_nope": (diffs[:, :lora].norm(dim=(1, 2)) / refs[:, :lora].norm(dim=(1, 2))).max().item(),
-            "q_pe": (diffs[:, lora:].norm(dim=(1, 2)) / refs[:, lora:].norm(dim=(1, 2))).max().item()}  # fmt: skip
+    rows = {
+        "ql_nope": (diffs[:, :lora].norm(dim=(1, 2)) / refs[:, :lora].norm(dim=(1, 2))).max().item(),
+        "q_pe": (diffs[:, lora:].norm(dim=(1, 2)) / refs[:, lora:].norm(dim=(1, 2))).max().item(),
+    }
     return rows, diffs.abs().max().item()
 
 
@@ -103,7 +130,9 @@ def test_fold_error_is_its_definition_from_call_to_call_and_geometry_to_geometry
             for stored, row_scale in ((fold, None), (fold / scale[:, None], scale)):
                 error = fold_error(stored, q_b, kv_b, g, heads, row_scale)
                 rows, max_abs = _expected_error(stored, q_b, kv_b, g, heads, row_scale)
-                assert error.rows == pytest.approx(rows, rel=1e-9) and error.max_abs_error == pytest.approx(max_abs, rel=1e-9)
+                assert error.rows == pytest.approx(rows, rel=1e-9) and error.max_abs_error == pytest.approx(
+                    max_abs, rel=1e-9
+                )
                 assert rows["ql_nope"] > 1e-4 and rows["q_pe"] > 1e-4  # the noise is seen in both groups
 
 
@@ -139,7 +168,9 @@ def test_fold_error_judges_each_head_on_its_own() -> None:
     fold = fold_layer(q_b, kv_b, TINY, torch.float32).reshape(TINY.num_heads, TINY.fold_head_dim, -1)
     fold[3, : TINY.kv_lora_rank] *= 1.01
     error = fold_error(fold.reshape(TINY.fold_shape), q_b, kv_b, TINY, tuple(range(TINY.num_heads)))
-    assert error.rel_fro_error == pytest.approx(0.01, rel=1e-3) and error.worst_head == 3 and error.worst_rows == "ql_nope"
+    assert (
+        error.rel_fro_error == pytest.approx(0.01, rel=1e-3) and error.worst_head == 3 and error.worst_rows == "ql_nope"
+    )
     assert error.heads == tuple(range(TINY.num_heads))
 
 
@@ -187,7 +218,9 @@ def test_tp_row_slices_are_exactly_each_ranks_heads(tp: int) -> None:
     for rank in range(tp):
         start, stop = g.rank_rows(tp, rank)
         # What rank r computes from ITS q_b_proj / kv_b_proj shards (vLLM's ColumnParallelLinear split).
-        expected = fold_layer(q_b[rank * q_rows : (rank + 1) * q_rows], kv_b[rank * kv_rows : (rank + 1) * kv_rows], local)
+        expected = fold_layer(
+            q_b[rank * q_rows : (rank + 1) * q_rows], kv_b[rank * kv_rows : (rank + 1) * kv_rows], local
+        )
         assert torch.equal(fold[start:stop], expected)
 
 
@@ -211,13 +244,16 @@ def test_sample_heads_spreads_and_includes_both_ends() -> None:
     assert sample_heads(3) == (0, 1, 2)
 
 
-@pytest.mark.parametrize(("fold_dtype", "value", "overflows"), [
-    ("float16", 2000.0, False),  # P·a·b = 2000: far inside fp16
-    ("float16", 70000.0, True),  # every product 70000/P fits fp16, their sum does not
-    ("bfloat16", 1e38, False),  # bf16 has fp32's range
-    ("fp8", 1e38, False),  # e4m3 values are scaled into range; the fp32 scales hold it
-    ("bfloat16", 1e39, True),  # the fp32 sums themselves overflow
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fold_dtype", "value", "overflows"),
+    [
+        ("float16", 2000.0, False),  # P·a·b = 2000: far inside fp16
+        ("float16", 70000.0, True),  # every product 70000/P fits fp16, their sum does not
+        ("bfloat16", 1e38, False),  # bf16 has fp32's range
+        ("fp8", 1e38, False),  # e4m3 values are scaled into range; the fp32 scales hold it
+        ("bfloat16", 1e39, True),  # the fp32 sums themselves overflow
+    ],
+)
 def test_a_fold_is_proved_finite_only_where_no_sum_can_overflow(fold_dtype: str, value: float, overflows: bool) -> None:
     """convert skips scanning a fold for Inf only where its inputs prove it finite. Constant inputs
     make every W_UKᵀ·W_qb_nope element exactly P·a·b = ``value``; a bound that forgot the sum over

@@ -15,14 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from foldckpt.convert.layer import FoldRing, fold_from_source, load_layer_inputs, reader
+from foldckpt.convert.plan import ConversionPlan, plan_conversion
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import fold_error, fold_layer, fold_layer_fp8, sample_heads
 from foldckpt.io.hashing import head_digests
-from foldckpt.convert.layer import FoldRing, fold_from_source, load_layer_inputs, reader
-from foldckpt.convert.plan import ConversionPlan, plan_conversion
 from foldckpt.io.safetensors_format import TensorInfo
-from foldckpt.tensors import tensor_to_bytes
 from foldckpt.model.synthetic import make_checkpoint
+from foldckpt.tensors import tensor_to_bytes
 
 
 @pytest.fixture(scope="module")

@@ -11,21 +11,35 @@ from foldckpt.errors import FoldckptError
 from foldckpt.model.geometry import geometry_from_config
 
 DEEPSEEK_V3: dict[str, Any] = {
-    "architectures": ["DeepseekV3ForCausalLM"], "num_attention_heads": 128, "q_lora_rank": 1536,
-    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "num_attention_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1,
     "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
-}  # fmt: skip
+}
 KIMI_K3: dict[str, Any] = {
     "architectures": ["KimiK3ForConditionalGeneration"],
     "text_config": {
-        "num_attention_heads": 96, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "num_hidden_layers": 93, "mla_use_nope": True,
+        "num_attention_heads": 96,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "num_hidden_layers": 93,
+        "mla_use_nope": True,
         "num_nextn_predict_layers": 0,
-        "linear_attn_config": {"kda_layers": [i for i in range(1, 94) if i % 4 and i != 93],
-                               "full_attn_layers": [*range(4, 93, 4), 93]},
+        "linear_attn_config": {
+            "kda_layers": [i for i in range(1, 94) if i % 4 and i != 93],
+            "full_attn_layers": [*range(4, 93, 4), 93],
+        },
     },
-}  # fmt: skip
+}
 
 
 def test_deepseek_v3_every_layer_and_the_mtp_layer() -> None:
@@ -51,7 +65,10 @@ def test_kimi_k3_mla_layers_are_the_non_kda_layers_one_indexed() -> None:
 
 
 def test_kimi_k25_uses_the_language_model_prefix() -> None:
-    config = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": {**DEEPSEEK_V3, "num_nextn_predict_layers": 0}}
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "text_config": {**DEEPSEEK_V3, "num_nextn_predict_layers": 0},
+    }
     g = geometry_from_config(config)
     assert g.family == "kimi_k25" and g.layers[0].prefix == "language_model.model.layers.0"
 
@@ -70,12 +87,17 @@ def test_geometry_round_trips_through_the_manifest_dict() -> None:
         (lambda c: c.update(kv_lora_rank="512"), "kv_lora_rank"),
         (lambda c: c.update(num_nextn_predict_layers=-1), "num_nextn_predict_layers"),
         # a damaged count is refused before anything is built per layer (10**30 overflowed range())
-        (lambda c: c.update(num_hidden_layers=10**30), "'num_hidden_layers' is 1000000000000000000000000000000, more than the 10000"),
+        (
+            lambda c: c.update(num_hidden_layers=10**30),
+            "'num_hidden_layers' is 1000000000000000000000000000000, more than the 10000",
+        ),
         (lambda c: c.update(num_nextn_predict_layers=10_001), "'num_nextn_predict_layers' is 10001"),
         # a given fp8 block size must be usable: it was replaced by 128x128 without a word
         *[
-            (lambda c, block=block: c["quantization_config"].update(weight_block_size=block),
-             r"'quantization_config.weight_block_size' must be two positive integers")
+            (
+                lambda c, block=block: c["quantization_config"].update(weight_block_size=block),
+                r"'quantization_config.weight_block_size' must be two positive integers",
+            )
             for block in ([0, 128], [-128, -128], [128], "128", [128.0, 128], [True, 128], [128, 128, 128])
         ],
     ],

@@ -40,8 +40,9 @@ def ops() -> object:
     return getattr(torch.ops, NS)
 
 
-def reference_cache_insert(cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                           slots: list[int]) -> torch.Tensor:  # fmt: skip
+def reference_cache_insert(
+    cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slots: list[int]
+) -> torch.Tensor:
     out = cache.clone()
     for t, slot in enumerate(slots):
         if slot < 0:
@@ -158,8 +159,24 @@ def test_rmsnorm_kernel_on_strided_rows(dtype: torch.dtype) -> None:
     q_c, kv_c = qkv[:, :lq], qkv[:, lq : lq + L]
     wq, wkv = (1 + torch.rand(lq, generator=g)).to(dtype), (1 + torch.rand(L, generator=g)).to(dtype)
     q_out, kv_out = torch.empty(7, lq, dtype=dtype), torch.empty(7, L, dtype=dtype)
-    k3.fused_qkv_rmsnorm_kernel(q_c, q_out, wq, q_c.stride(0), q_out.stride(0), kv_c, kv_out, wkv, kv_c.stride(0),
-                                kv_out.stride(0), eps, lq, L, 512, False, num_warps=4)  # fmt: skip
+    k3.fused_qkv_rmsnorm_kernel(
+        q_c,
+        q_out,
+        wq,
+        q_c.stride(0),
+        q_out.stride(0),
+        kv_c,
+        kv_out,
+        wkv,
+        kv_c.stride(0),
+        kv_out.stride(0),
+        eps,
+        lq,
+        L,
+        512,
+        False,
+        num_warps=4,
+    )
     # fp32 math and one rounding at the store: within one ulp of the fp64 value (bf16: 2^-7)
     ulp = 2**-7 if dtype == torch.bfloat16 else 2**-22
     for out, x, w in ((q_out, q_c, wq), (kv_out, kv_c, wkv)):

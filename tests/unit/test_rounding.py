@@ -47,11 +47,21 @@ CRAFTED = (
     (-0.0, -0.0, -0.0, -0.0),
 )
 
-ONE_HEAD = Geometry("deepseek", "DeepseekV3ForCausalLM", num_heads=1, q_lora_rank=2, kv_lora_rank=len(CRAFTED),
-                    qk_nope_head_dim=4, qk_rope_head_dim=1, v_head_dim=1, layers=(MLALayer(0, "model.layers.0"),))  # fmt: skip
+ONE_HEAD = Geometry(
+    "deepseek",
+    "DeepseekV3ForCausalLM",
+    num_heads=1,
+    q_lora_rank=2,
+    kv_lora_rank=len(CRAFTED),
+    qk_nope_head_dim=4,
+    qk_rope_head_dim=1,
+    v_head_dim=1,
+    layers=(MLALayer(0, "model.layers.0"),),
+)
 # Kimi-K3's per-head dimensions (fewer heads to stay fast).
-K3_HEADS = replace(ONE_HEAD, num_heads=4, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                   qk_rope_head_dim=64, v_head_dim=128)  # fmt: skip
+K3_HEADS = replace(
+    ONE_HEAD, num_heads=4, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+)
 
 
 def correctly_rounded(exact: Fraction, dtype: torch.dtype) -> torch.Tensor:
@@ -84,7 +94,7 @@ def exact_fold(q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry, head: int, ro
     p, r, v = g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim
     w_qb_nope = q_b[head * (p + r) : head * (p + r) + p, col].tolist()
     w_uk = kv_b[head * (p + v) : head * (p + v) + p, row].tolist()
-    return sum((Fraction(a) * Fraction(b) for a, b in zip(w_uk, w_qb_nope)), Fraction(0))
+    return sum((Fraction(a) * Fraction(b) for a, b in zip(w_uk, w_qb_nope, strict=True)), Fraction(0))
 
 
 def crafted_weights(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +208,7 @@ def test_the_fold_is_the_same_bytes_whatever_order_sums_it(out_dtype: torch.dtyp
     q_heads[:, :p], kv_heads[:, :p] = q_heads[:, order], kv_heads[:, order]
     permuted = q_heads.reshape(q_b.shape), kv_heads.reshape(kv_b.shape)
     if out_dtype == "fp8":
-        for one, other in zip(fold_layer_fp8(q_b, kv_b, g), fold_layer_fp8(*permuted, g)):
+        for one, other in zip(fold_layer_fp8(q_b, kv_b, g), fold_layer_fp8(*permuted, g), strict=True):
             assert torch.equal(one.view(torch.uint8), other.view(torch.uint8))
         return
     one, other = fold_layer(q_b, kv_b, g, out_dtype), fold_layer(*permuted, g, out_dtype)

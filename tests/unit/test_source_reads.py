@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
-from foldckpt.io.direct_io import DiskPriority
+from foldckpt.convert.plan import ConversionPlan, plan_conversion
+from foldckpt.convert.source_reads import LOOKAHEAD_LAYERS, IOCounters, SourceReads
 from foldckpt.errors import FoldckptError
 from foldckpt.format.manifest import FileRecord
-from foldckpt.convert.plan import ConversionPlan, plan_conversion
+from foldckpt.io.direct_io import DiskPriority
 from foldckpt.io.safetensors_format import TensorInfo, read_tensor_bytes
-from foldckpt.convert.source_reads import LOOKAHEAD_LAYERS, IOCounters, SourceReads
 from foldckpt.model.synthetic import make_checkpoint
 
 
@@ -37,22 +37,44 @@ def _inputs(plan: ConversionPlan) -> dict[tuple[str, str], TensorInfo]:
     return {(file, info.name): info for layer in plan.layers for file, info in layer.input_tensors()}
 
 
-def _reads(plan: ConversionPlan, budget: int, recorded: dict[tuple[str, str], str] | None = None,
-           files: dict[str, int] | None = None, priority: DiskPriority | None = None, fold_releases: bool = False,
-           ) -> tuple[SourceReads, dict[str, FileRecord], IOCounters]:  # fmt: skip
+def _reads(
+    plan: ConversionPlan,
+    budget: int,
+    recorded: dict[tuple[str, str], str] | None = None,
+    files: dict[str, int] | None = None,
+    priority: DiskPriority | None = None,
+    fold_releases: bool = False,
+) -> tuple[SourceReads, dict[str, FileRecord], IOCounters]:
     model = plan.source.model_dir
     files = files or {name: (model / name).stat().st_size for name in plan.files_to_place}
     hashed: dict[str, FileRecord] = {}
     counters = IOCounters()
     inputs = _inputs(plan)
-    wanted = {(file, info.name): position for position, layer in enumerate(plan.layers) for file, info in layer.input_tensors()}
-    reads = SourceReads(model, files, inputs, wanted, recorded or {}, hashed.__setitem__, lambda n: None, counters, budget,
-                        priority, fold_releases)  # fmt: skip
+    wanted = {
+        (file, info.name): position
+        for position, layer in enumerate(plan.layers)
+        for file, info in layer.input_tensors()
+    }
+    reads = SourceReads(
+        model,
+        files,
+        inputs,
+        wanted,
+        recorded or {},
+        hashed.__setitem__,
+        lambda n: None,
+        counters,
+        budget,
+        priority,
+        fold_releases,
+    )
     return reads, hashed, counters
 
 
 @pytest.mark.parametrize("budget", [1 << 30, 0], ids=["copied", "over-budget"])
-def test_every_input_is_handed_over_with_its_digest_and_every_file_hashed_once(plan: ConversionPlan, budget: int) -> None:
+def test_every_input_is_handed_over_with_its_digest_and_every_file_hashed_once(
+    plan: ConversionPlan, budget: int
+) -> None:
     reads, hashed, counters = _reads(plan, budget)
     model = plan.source.model_dir
     with ThreadPoolExecutor(4) as pool:
@@ -62,7 +84,10 @@ def test_every_input_is_handed_over_with_its_digest_and_every_file_hashed_once(p
             assert bytes(data) == bytes(read_tensor_bytes(model / file, info))
             assert digest == blake3(data).hexdigest()
         reads.wait()
-    assert hashed == {name: FileRecord(size, hashlib.sha256((model / name).read_bytes()).hexdigest()) for name, size in reads.files.items()}
+    assert hashed == {
+        name: FileRecord(size, hashlib.sha256((model / name).read_bytes()).hexdigest())
+        for name, size in reads.files.items()
+    }
     input_bytes = sum(info.nbytes for info in _inputs(plan).values())
     assert counters.reread == (input_bytes if budget == 0 else 0)
     assert counters.read == sum(reads.files.values()) + counters.reread
@@ -110,7 +135,9 @@ def long_plan(tmp_path_factory: pytest.TempPathFactory) -> ConversionPlan:
     return plan_conversion(model)
 
 
-def test_a_pass_starts_only_within_the_lookahead_of_the_fold_and_stop_releases_the_rest(long_plan: ConversionPlan) -> None:
+def test_a_pass_starts_only_within_the_lookahead_of_the_fold_and_stop_releases_the_rest(
+    long_plan: ConversionPlan,
+) -> None:
     reads, hashed, _ = _reads(long_plan, 1 << 30)
     far = {name for name, due in reads.first_use.items() if due > LOOKAHEAD_LAYERS}
     assert far, "the layout must hold files that feed layers beyond the lookahead"
@@ -164,7 +191,9 @@ def test_a_fold_that_releases_its_inputs_itself_lets_the_next_passes_reuse_their
                 before = position - 1 if fold_releases else max(position - 1, 0)
                 _settled(reads, hashed, before)
                 taken = [reads.take(file, info)[0] for file, info in layer.input_tensors()]
-                assert [bytes(d) for d in taken] == [bytes(read_tensor_bytes(model / f, i)) for f, i in layer.input_tensors()]
+                assert [bytes(d) for d in taken] == [
+                    bytes(read_tensor_bytes(model / f, i)) for f, i in layer.input_tensors()
+                ]
                 if fold_releases:
                     time.sleep(0.05)
                     waiting = {name for name, first in reads.first_use.items() if first > before + LOOKAHEAD_LAYERS}
@@ -181,7 +210,9 @@ def test_a_fold_that_releases_its_inputs_itself_lets_the_next_passes_reuse_their
     assert made == (4 if fold_releases else 6)
 
 
-def test_an_input_changed_since_an_earlier_run_folded_it_is_refused_naming_file_and_tensor(plan: ConversionPlan) -> None:
+def test_an_input_changed_since_an_earlier_run_folded_it_is_refused_naming_file_and_tensor(
+    plan: ConversionPlan,
+) -> None:
     (file, name), info = next(iter(_inputs(plan).items()))
     reads, hashed, _ = _reads(plan, 1 << 30, recorded={(file, name): "0" * 64})
     with ThreadPoolExecutor(2) as pool:

@@ -21,8 +21,12 @@ import pytest
 from foldckpt.runtime.kernels.tuning import KernelConfig
 from foldckpt.tune.search import BUCKETS, time_bucket
 
-CANDIDATES = [KernelConfig(16, block_n, block_k, 1, 4, stages) for block_n in (32, 64, 128) for block_k in (64, 128)
-              for stages in (2, 3)]  # fmt: skip
+CANDIDATES = [
+    KernelConfig(16, block_n, block_k, 1, 4, stages)
+    for block_n in (32, 64, 128)
+    for block_k in (64, 128)
+    for stages in (2, 3)
+]
 
 
 @dataclass
@@ -85,8 +89,9 @@ def test_configs_that_did_not_run_never_win() -> None:
     us[CANDIDATES[-1]] = 9.0
     weights = GivenTimes(us)
     assert time_bucket(weights, "q_b_proj", 64, CANDIDATES, CANDIDATES[0], time.monotonic() - 1, []) == (
-        CANDIDATES[-1], 9.0,
-    ), "out of time, the search goes on until one config ran"  # fmt: skip
+        CANDIDATES[-1],
+        9.0,
+    ), "out of time, the search goes on until one config ran"
     with pytest.raises(RuntimeError, match="none of 12 configs ran"):
         time_bucket(GivenTimes(dict.fromkeys(CANDIDATES, float("inf"))), "fold", 64, CANDIDATES, None, 0.0, [])
 

@@ -80,17 +80,30 @@ from foldckpt.runtime.kernels.triton_rope import rope_key_rows, rope_query_tile
 from foldckpt.runtime.kernels.tuning import KernelConfig, SkinnyConfig
 
 __all__ = [
-    "launch_fold_gemm", "launch_skinny_gemm", "reserve_workspace", "rope_fits", "workspace_ready", "workspace_needs",
-]  # fmt: skip
+    "launch_fold_gemm",
+    "launch_skinny_gemm",
+    "reserve_workspace",
+    "rope_fits",
+    "workspace_ready",
+    "workspace_needs",
+]
 
 
 # Nothing that varies per call is specialised: one compile per config serves every M, split
 # and x/out row stride, so warm-up covers all of them and graph capture never compiles.
 @triton.jit(
     do_not_specialize=[
-        "M", "stride_xm", "stride_ym", "rows_per_prog", "k_iters", "split_k", "stride_cs", "stride_kpe", "stride_kout"
+        "M",
+        "stride_xm",
+        "stride_ym",
+        "rows_per_prog",
+        "k_iters",
+        "split_k",
+        "stride_cs",
+        "stride_kpe",
+        "stride_kout",
     ]
-)  # fmt: skip
+)
 def _fold_gemm_kernel(
     x_ptr,
     w_src,

@@ -60,9 +60,17 @@ SKINNY_MAX_M = 16
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 
 _KERNEL_KEYS = (
-    "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "use_tma", "rows_per_program", "pdl",
+    "block_m",
+    "block_n",
+    "block_k",
+    "split_k",
+    "num_warps",
+    "num_stages",
+    "use_tma",
+    "rows_per_program",
+    "pdl",
     "rope_epilogue",
-)  # fmt: skip
+)
 _BOOL_KEYS = ("use_tma", "pdl", "rope_epilogue", "mma_f16")
 # Keys a bucket may leave out (tables written before they existed), with the value that means.
 _OPTIONAL_KERNEL_KEYS = {"mma_f16": False}

@@ -94,12 +94,14 @@ class FoldedKimiK3Wrapper(FoldedMLAMixin, KimiK3MultiHeadLatentAttentionWrapper)
         if self.q_lora_rank is None:  # Kimi-Linear's full-rank q_proj: nothing to fold.
             self.fold = self.q_fold = None
             return
-        self._init_fold({
-            "sparse MLA (indexer)": self.is_sparse or self.indexer is not None,
-            "DCP query replication": self.dcp_q_replicate,
-            "MLA with RoPE": self.rotary_emb is not None,
-            SPECIALIZED_DECODE: specialized_decode_requested(),
-        })  # fmt: skip
+        self._init_fold(
+            {
+                "sparse MLA (indexer)": self.is_sparse or self.indexer is not None,
+                "DCP query replication": self.dcp_q_replicate,
+                "MLA with RoPE": self.rotary_emb is not None,
+                SPECIALIZED_DECODE: specialized_decode_requested(),
+            }
+        )
         self._strided_q_nope = _aiter_reads_strided_q_nope()
         if self.fold is None:
             return
@@ -216,10 +218,21 @@ class FoldedKimiK3Wrapper(FoldedMLAMixin, KimiK3MultiHeadLatentAttentionWrapper)
         slot_mapping = slot_mapping.flatten()
         positions = self._zero_positions[: slot_mapping.shape[0]]
         fused_qk_rope_concat_and_cache_mla(
-            ql_nope, q_pe, kv_c_normed, k_pe.squeeze(1), kv_cache.view(kv_cache.shape[0], -1, head_size), q_out,
-            slot_mapping, layer._k_scale, layer._q_scale, positions, cos_cache, sin_cache,
-            is_neox=True, is_nope_first=True,
-        )  # fmt: skip
+            ql_nope,
+            q_pe,
+            kv_c_normed,
+            k_pe.squeeze(1),
+            kv_cache.view(kv_cache.shape[0], -1, head_size),
+            q_out,
+            slot_mapping,
+            layer._k_scale,
+            layer._q_scale,
+            positions,
+            cos_cache,
+            sin_cache,
+            is_neox=True,
+            is_nope_first=True,
+        )
         return q_out
 
 

@@ -63,8 +63,14 @@ class FoldedKimiK3MLA(MultiHeadLatentAttention):
             SPECIALIZED_DECODE: specialized_decode_requested(),
             "MLA with RoPE (the DSpark draft)": self.rotary_emb is not None,
         }
-        built = BuiltMLA(self.num_heads, self.q_lora_rank, self.kv_lora_rank, self.qk_nope_head_dim,
-                         self.qk_rope_head_dim, self.v_head_dim)  # fmt: skip
+        built = BuiltMLA(
+            self.num_heads,
+            self.q_lora_rank,
+            self.kv_lora_rank,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+        )
         self.fold = attach_fold(self.layer_name, built, self.num_local_heads, unsupported, lambda: "NoPE: no RoPE")
         if self.fold is not None:
             self.q_fold = self.fold.q_fold
@@ -120,15 +126,30 @@ class FoldedKimiK3MLA(MultiHeadLatentAttention):
         slot_mapping = forward_context.slot_mapping[self.layer_name]
         if total > decode:
             rows = slice(decode, total)
-            self._forward_prefill_fused(self._q_b_proj(q_c[rows]), kv_c_normed[rows], k_pe[rows], None, None,
-                                        slot_mapping[rows], attn_metadata, attn_out[rows])  # fmt: skip
+            self._forward_prefill_fused(
+                self._q_b_proj(q_c[rows]),
+                kv_c_normed[rows],
+                k_pe[rows],
+                None,
+                None,
+                slot_mapping[rows],
+                attn_metadata,
+                attn_out[rows],
+            )
 
         # vLLM's CPU post-processing repacks the weight and removes ``.weight``: the layer runs it.
         x = q_c[:decode]
         y = fold.q_fold(x)[0] if x.device.type == "cpu" else fold_gemm(x, fold.q_fold.weight, scale=fold.weight_scale)
         y = y.view(decode, self.num_local_heads, self.head_size)
-        mqa_q = self._decode_concat_cache(y[..., : self.kv_lora_rank], y[..., self.kv_lora_rank :],
-                                          kv_c_normed[:decode], k_pe[:decode], None, None, slot_mapping[:decode])  # fmt: skip
+        mqa_q = self._decode_concat_cache(
+            y[..., : self.kv_lora_rank],
+            y[..., self.kv_lora_rank :],
+            kv_c_normed[:decode],
+            k_pe[:decode],
+            None,
+            None,
+            slot_mapping[:decode],
+        )
         # From here on exactly vLLM's decode tail (``_attention``).
         if self.dcp_world_size > 1:
             assert self.dcp_manager is not None and self.dcp_manager.query_gather is not None
@@ -142,8 +163,9 @@ class FoldedKimiK3MLA(MultiHeadLatentAttention):
             # vLLM 0.34: the all-gathered W_UV, when the DCP manager has the fused merge + W_UV.
             w_uv_dcp = getattr(self, "W_UV_dcp", None)
             if w_uv_dcp is not None:
-                self.dcp_manager.v_up_proj_combine(latent_out, lse, w_uv_dcp, attn_out[:decode], seq_lens=seq_lens,
-                                                   query_start_loc=query_start_loc)  # fmt: skip
+                self.dcp_manager.v_up_proj_combine(
+                    latent_out, lse, w_uv_dcp, attn_out[:decode], seq_lens=seq_lens, query_start_loc=query_start_loc
+                )
                 return
             latent_out = self.dcp_manager.combine(latent_out, lse, seq_lens=seq_lens, query_start_loc=query_start_loc)
         self._v_up_proj(latent_out, out=attn_out[:decode])

@@ -166,12 +166,14 @@ MODEL_BUILDERS: dict[str, Callable[[Path], Path]] = {
     "dsmtp": lambda root: make_checkpoint(root / "dsmtp", "deepseek_v3", mtp_layers=1, dims=FA3_TINY_DIMS),
     "dsmtp-bf16": lambda root: _converted(model(root, "dsmtp"), "dsmtp-bf16"),
     # All-MLA Kimi-K3 (2 layers) with its MTP layer; bf16 experts (MXFP4 MoE is not what is tested).
-    "k3": lambda root: make_checkpoint(root / "k3", "kimi_k3", layers=2, mtp_layers=1, all_mla=True,
-                                       bf16_experts=True, dims=FA3_TINY_DIMS),  # fmt: skip
+    "k3": lambda root: make_checkpoint(
+        root / "k3", "kimi_k3", layers=2, mtp_layers=1, all_mla=True, bf16_experts=True, dims=FA3_TINY_DIMS
+    ),
     "k3-bf16": lambda root: _converted(model(root, "k3"), "k3-bf16"),
     # Hybrid Kimi-K3: 5 layers, kda_layers [1, 2, 3] and MLA layers [4, 5] (1-indexed, as K3's own).
-    "hyb": lambda root: make_checkpoint(root / "hyb", "kimi_k3", layers=5, mtp_layers=1, bf16_experts=True,
-                                        dims=FA3_TINY_DIMS),  # fmt: skip
+    "hyb": lambda root: make_checkpoint(
+        root / "hyb", "kimi_k3", layers=5, mtp_layers=1, bf16_experts=True, dims=FA3_TINY_DIMS
+    ),
     "hyb-bf16": lambda root: _converted(model(root, "hyb"), "hyb-bf16"),
 }
 _models: dict[tuple[Path, str], Path] = {}
@@ -217,11 +219,19 @@ def spec_of(job: Job, model_dir: Path) -> dict[str, Any]:
     options = {"gpu_memory_utilization": 0.08, "kv_cache_memory_bytes": KV_CACHE_BYTES, **job.options}
     prompts = SHORT_PROMPTS if job.prompts == "short" else LONG_PROMPTS
     return {
-        "model": str(model_dir), "dtype": dtype, "eager": eager, "compilation_config": compilation,
-        "attention_backend": job.backend, "max_model_len": MAX_MODEL_LEN, "prompts": prompts,
-        "max_tokens": MAX_TOKENS, "logprobs": LOGPROBS, "tensor_parallel_size": 1,
-        "engine_options": options, **job.spec,
-    }  # fmt: skip
+        "model": str(model_dir),
+        "dtype": dtype,
+        "eager": eager,
+        "compilation_config": compilation,
+        "attention_backend": job.backend,
+        "max_model_len": MAX_MODEL_LEN,
+        "prompts": prompts,
+        "max_tokens": MAX_TOKENS,
+        "logprobs": LOGPROBS,
+        "tensor_parallel_size": 1,
+        "engine_options": options,
+        **job.spec,
+    }
 
 
 def run_one(workdir: Path, root: Path, name: str) -> JobResult:
@@ -269,9 +279,15 @@ class Matrix:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        summary = {name: {"returncode": f.result().returncode, "wall_s": round(f.result().wall_s, 1),
-                          "stats": f.result().stats}
-                   for name, f in self._futures.items() if f.done() and not f.cancelled()}  # fmt: skip
+        summary = {
+            name: {
+                "returncode": f.result().returncode,
+                "wall_s": round(f.result().wall_s, 1),
+                "stats": f.result().stats,
+            }
+            for name, f in self._futures.items()
+            if f.done() and not f.cancelled()
+        }
         (self.workdir / "matrix.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
 
 
@@ -295,11 +311,24 @@ def serve_and_query(workdir: Path, model_dir: Path, startup_s: float = 300) -> J
     env = gpu_env(Job(model="ds-bf16"), workdir, name)
     stats_path(workdir, name).unlink(missing_ok=True)
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
-        "--gpu-memory-utilization", "0.08", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-        "--compilation-config", json.dumps({"cudagraph_capture_sizes": GRAPH_SIZES}),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--gpu-memory-utilization",
+        "0.08",
+        "--kv-cache-memory-bytes",
+        str(KV_CACHE_BYTES),
+        "--compilation-config",
+        json.dumps({"cudagraph_capture_sizes": GRAPH_SIZES}),
+    ]
     log_path = workdir / f"{name}.log"
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
@@ -308,14 +337,24 @@ def serve_and_query(workdir: Path, model_dir: Path, startup_s: float = 300) -> J
         deadline = time.monotonic() + startup_s
         while True:
             if process.poll() is not None or time.monotonic() > deadline:
-                return JobResult(name, process.poll() or -1, log_path.read_text(), None, None, time.monotonic() - started)
+                return JobResult(
+                    name, process.poll() or -1, log_path.read_text(), None, None, time.monotonic() - started
+                )
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=2):
                     break
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 time.sleep(1)
-        bodies = [{"model": str(model_dir), "prompt": f"request {i}: the fold", "max_tokens": SERVER_MAX_TOKENS,
-                   "temperature": 0.0, "ignore_eos": True} for i in range(SERVER_REQUESTS)]  # fmt: skip
+        bodies = [
+            {
+                "model": str(model_dir),
+                "prompt": f"request {i}: the fold",
+                "max_tokens": SERVER_MAX_TOKENS,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
+            for i in range(SERVER_REQUESTS)
+        ]
         with ThreadPoolExecutor(max_workers=SERVER_REQUESTS) as pool:
             completions = list(pool.map(lambda body: _post(f"{url}/v1/completions", body), bodies))
         time.sleep(0.5)  # the stats thread writes at most one flush interval after the last step

@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from foldckpt.format.manifest import read_manifest
 from foldckpt.defaults import FP8_KERNEL_LOG
+from foldckpt.format.manifest import read_manifest
 from tests.gpu.engine.matrix import JOBS, LONG_PROMPTS, SERVER, SERVER_REQUESTS, SHORT_PROMPTS, JobResult, Matrix, model
 
 pytestmark = [
@@ -61,24 +61,43 @@ FP8_SOURCE = step_bound(2, U_E4M3 + 4 * U_BF16)
 
 # Which runs each test compares: the matrix starts exactly these, all together.
 NEEDS: dict[str, list[str]] = {
-    "test_deepseek_v3_bf16": ["ds-eager-stock", "ds-eager-fold", "ds-default-stock", "ds-default-fold",
-                              "ds-fdo-stock", "ds-fdo-fold"],
-    "test_kimi_k3_bf16": ["k3-eager-stock", "k3-eager-fold", "k3-default-stock", "k3-default-fold",
-                          "k3-nobreak-stock", "k3-nobreak-fold"],
+    "test_deepseek_v3_bf16": [
+        "ds-eager-stock",
+        "ds-eager-fold",
+        "ds-default-stock",
+        "ds-default-fold",
+        "ds-fdo-stock",
+        "ds-fdo-fold",
+    ],
+    "test_kimi_k3_bf16": [
+        "k3-eager-stock",
+        "k3-eager-fold",
+        "k3-default-stock",
+        "k3-default-fold",
+        "k3-nobreak-stock",
+        "k3-nobreak-fold",
+    ],
     "test_kimi_k3_breakable_graphs_match_eager": ["k3-eager-stock", "k3-default-stock", "k3-default-fold"],
     "test_triton_mla_mixed_batches": ["ds-triton-stock", "ds-triton-fold", "k3-triton-stock", "k3-triton-fold"],
     "test_fp32_fold_gives_stock_tokens": ["ds32-eager-stock", "ds32-eager-fold"],
-    "test_disabled_plugin_is_stock_bit_for_bit": ["ds-eager-stock", "ds-eager-disabled", "ds-default-stock",
-                                                  "ds-default-disabled"],
+    "test_disabled_plugin_is_stock_bit_for_bit": [
+        "ds-eager-stock",
+        "ds-eager-disabled",
+        "ds-default-stock",
+        "ds-default-disabled",
+    ],
     "test_corrupted_sidecar_stops_the_engine": ["ds-corrupt"],
-    "test_fp8_fold_runs_the_fp8_kernel": ["ds-eager-stock", "ds-fp8fold-eager", "ds-default-stock",
-                                          "ds-fp8fold-default"],
+    "test_fp8_fold_runs_the_fp8_kernel": [
+        "ds-eager-stock",
+        "ds-fp8fold-eager",
+        "ds-default-stock",
+        "ds-fp8fold-default",
+    ],
     "test_fp8_block_source": ["dsfp8src-default-stock", "dsfp8src-default-fold"],
-    "test_mtp_speculative_decoding": ["dsmtp-eager-stock", "dsmtp-eager-fold", "k3mtp-eager-stock",
-                                      "k3mtp-eager-fold"],
+    "test_mtp_speculative_decoding": ["dsmtp-eager-stock", "dsmtp-eager-fold", "k3mtp-eager-stock", "k3mtp-eager-fold"],
     "test_hybrid_kimi_k3": ["hyb-eager-stock", "hyb-eager-fold", "hyb-default-stock", "hyb-default-fold"],
     "test_openai_server": [SERVER],
-}  # fmt: skip
+}
 assert all(name in JOBS or name == SERVER for names in NEEDS.values() for name in names)
 
 
@@ -98,8 +117,9 @@ def shared_context_gaps(stock: JobResult, other: JobResult) -> tuple[list[float]
     """|logprob difference| of stock's greedy token at every step on shared context (each prompt up
     to and including its first differing token), and how many steps had identical tokens."""
     gaps, same = [], 0
-    for s_tokens, o_tokens, s_steps, o_steps in zip(stock.tokens, other.tokens, stock.logprobs, other.logprobs,
-                                                    strict=True):  # fmt: skip
+    for s_tokens, o_tokens, s_steps, o_steps in zip(
+        stock.tokens, other.tokens, stock.logprobs, other.logprobs, strict=True
+    ):
         for k, token in enumerate(s_tokens):
             o_step = o_steps[k]
             # Outside the other's top-k: at least as far as its k-th logprob (a lower bound).
@@ -116,7 +136,9 @@ def assert_within(stock: JobResult, other: JobResult, bound: float) -> None:
     gaps, same = shared_context_gaps(stock.ok(), other.ok())
     total = sum(map(len, stock.tokens))
     covered = sorted(gaps)[int(COVERED * (len(gaps) - 1))]
-    detail = f"{other.name} vs {stock.name}: max gap {max(gaps):.4f}, {COVERED:.0%} gap {covered:.4f}, bound {bound:.4f}"
+    detail = (
+        f"{other.name} vs {stock.name}: max gap {max(gaps):.4f}, {COVERED:.0%} gap {covered:.4f}, bound {bound:.4f}"
+    )
     print(detail)
     assert covered <= bound, detail
     assert same >= total // 2, f"{detail}; only {same} of {total} steps on shared context"
