@@ -10,9 +10,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,3 +168,57 @@ def assert_bf16_fold_predicts(original: EngineRun, folded_forced: EngineRun) -> 
     assert sorted(gaps)[int(0.95 * len(gaps))] <= 0.05
     assert folded_forced.stats is not None
     assert folded_forced.stats["folded_decode_tokens"] == DECODE_TOKENS
+
+
+# ----------------------------------------------------------------------------------------------
+# The OpenAI server (what ``vllm serve`` runs): its own processes, bound to loopback.
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 60) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+@contextmanager
+def openai_server(
+    model_dir: Path, log_path: Path, env: dict[str, str], *args: str
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``python -m vllm.entrypoints.openai.api_server`` for ``model_dir`` on a free loopback port
+    with ``args``, its output in ``log_path``; yields its URL and process, and stops it at the end
+    (the worker is killed, not asked to exit: read what it writes while it serves)."""
+    port = free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), *args]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield f"http://127.0.0.1:{port}", process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """Whether the server at ``url`` answers ``/health`` within ``timeout_s`` (False as soon as
+    its process has exited)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return True
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(1)
+    return False

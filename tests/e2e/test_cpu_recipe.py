@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ import pytest
 
 from foldckpt.convert import ConvertOptions, convert
 from tests.conftest import REPO
-from tests.e2e.harness import requires_vllm
+from tests.e2e.harness import free_port, requires_vllm
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, requires_vllm]
 
@@ -38,12 +37,6 @@ def recipe() -> str:
     return block
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_the_cpu_recipe_serves_a_converted_model(tiny_model: Path, tmp_path: Path) -> None:
     script = recipe()
     assert "--port 8000" in script and "127.0.0.1:8000" in script
@@ -53,7 +46,7 @@ def test_the_cpu_recipe_serves_a_converted_model(tiny_model: Path, tmp_path: Pat
     stats = tmp_path / "stats.json"
     env = {key: value for key, value in os.environ.items() if not key.startswith(("VLLM_", "FOLDCKPT_"))}
     env["FOLDCKPT_STATS_FILE"] = str(stats)
-    port = str(_free_port())
+    port = str(free_port())
     output = tmp_path / "recipe.out"  # curl's replies, and the server's log (vLLM logs to stdout)
     with open(output, "wb") as out:
         run = subprocess.Popen(

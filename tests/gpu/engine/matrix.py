@@ -18,11 +18,8 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,8 +31,7 @@ import torch
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.format.manifest import read_manifest
 from foldckpt.model.synthetic import FA3_TINY_DIMS, make_checkpoint
-from tests.e2e.harness import MAX_MODEL_LEN, PROMPTS, engine_env, run_job
-from tests.e2e.test_openai_server import _free_port, _post
+from tests.e2e.harness import MAX_MODEL_LEN, PROMPTS, engine_env, openai_server, post_json, run_job, wait_healthy
 
 PARALLEL = int(os.environ.get("FOLDCKPT_GPU_ENGINES", "10"))
 JOB_TIMEOUT_S = float(os.environ.get("FOLDCKPT_GPU_ENGINE_TIMEOUT", "400"))
@@ -307,44 +303,14 @@ def serve_and_query(workdir: Path, model_dir: Path, startup_s: float = 300) -> J
     completions as the result, the log and the stats file (written by the engine core's worker while
     it serves: the worker is killed, not asked to exit, when the server stops)."""
     name, started = SERVER, time.monotonic()
-    port = _free_port()
     env = gpu_env(Job(model="ds-bf16"), workdir, name)
     stats_path(workdir, name).unlink(missing_ok=True)
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--gpu-memory-utilization",
-        "0.08",
-        "--kv-cache-memory-bytes",
-        str(KV_CACHE_BYTES),
-        "--compilation-config",
-        json.dumps({"cudagraph_capture_sizes": GRAPH_SIZES}),
-    ]
     log_path = workdir / f"{name}.log"
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                return JobResult(
-                    name, process.poll() or -1, log_path.read_text(), None, None, time.monotonic() - started
-                )
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(1)
+    args = ("--gpu-memory-utilization", "0.08", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES))
+    args += ("--compilation-config", json.dumps({"cudagraph_capture_sizes": GRAPH_SIZES}))
+    with openai_server(model_dir, log_path, env, *args) as (url, process):
+        if not wait_healthy(url, process, startup_s):
+            return JobResult(name, process.poll() or -1, log_path.read_text(), None, None, time.monotonic() - started)
         bodies = [
             {
                 "model": str(model_dir),
@@ -356,15 +322,8 @@ def serve_and_query(workdir: Path, model_dir: Path, startup_s: float = 300) -> J
             for i in range(SERVER_REQUESTS)
         ]
         with ThreadPoolExecutor(max_workers=SERVER_REQUESTS) as pool:
-            completions = list(pool.map(lambda body: _post(f"{url}/v1/completions", body), bodies))
+            completions = list(pool.map(lambda body: post_json(f"{url}/v1/completions", body), bodies))
         time.sleep(0.5)  # the stats thread writes at most one flush interval after the last step
         stats = json.loads(stats_path(workdir, name).read_text()) if stats_path(workdir, name).exists() else None
         result = {"completions": completions}
         return JobResult(name, 0, log_path.read_text(), result, stats, time.monotonic() - started)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
