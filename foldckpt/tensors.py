@@ -25,8 +25,12 @@ def read_tensor(path: Path, info: TensorInfo) -> torch.Tensor:
         raise FoldckptError.at(
             path, f"tensor '{info.name}' has dtype {info.dtype}, which foldckpt cannot read", info.name
         )
+    return tensor_from_bytes(read_tensor_bytes(path, info), info)
+
+
+def tensor_from_bytes(data: bytes | bytearray | memoryview, info: TensorInfo) -> torch.Tensor:
+    """The tensor ``info`` describes, over ``data`` (its bytes, as read): no copy."""
     dtype = TORCH_DTYPES[info.dtype]
-    data = read_tensor_bytes(path, info)
     if not data:
         return torch.empty(info.shape, dtype=dtype)
     return torch.frombuffer(data, dtype=dtype).reshape(info.shape)

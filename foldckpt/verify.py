@@ -391,7 +391,7 @@ def _bitwise_equal(a: Any, b: Any) -> bool:
 
 
 def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> LevelResult:
-    torch = import_torch()
+    import_torch()  # before any module below imports it: signals wait, OpenMP threads passive
 
     from foldckpt.convert.layer import load_layer_inputs, nonfinite_count, nonfinite_fold_problem
     from foldckpt.convert.plan import plan_conversion
@@ -404,7 +404,7 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
         fold_layer_fp8,
         probe_error,
     )
-    from foldckpt.tensors import TORCH_DTYPES
+    from foldckpt.tensors import tensor_from_bytes
 
     plan = plan_conversion(
         out_dir,
@@ -470,7 +470,7 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
                     )
                 )
                 break
-            stored_parts.append(torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype]).reshape(info.shape))
+            stored_parts.append(tensor_from_bytes(data, info))
         else:
             stored, scale = stored_parts[0], (stored_parts[1] if len(stored_parts) > 1 else None)
             nonfinite = nonfinite_fold_problem(

@@ -41,7 +41,7 @@ from foldckpt.io.direct_io import BufferPool
 from foldckpt.io.hashing import head_digests, tensor_digest
 from foldckpt.io.safetensors_format import TensorInfo, read_tensor_bytes
 from foldckpt.model.geometry import Geometry
-from foldckpt.tensors import TORCH_DTYPES
+from foldckpt.tensors import TORCH_DTYPES, tensor_from_bytes
 
 # Head chunks of a layer's fold that may be out at once (made and not yet written): FoldRing.
 _FOLD_RING_SLOTS = 8
@@ -93,7 +93,7 @@ def reader(directory: Path) -> Fetch:
 
 def _load(fetch: Fetch, file: str, info: TensorInfo) -> tuple[torch.Tensor, SourceTensor]:
     data, digest = fetch(file, info)
-    tensor = torch.frombuffer(data, dtype=TORCH_DTYPES[info.dtype]).reshape(info.shape)
+    tensor = tensor_from_bytes(data, info)
     return tensor, SourceTensor(info.name, file, digest)
 
 
