@@ -127,6 +127,14 @@ class LayerFold:
             recorder.record_step(folded, unfolded, prefill)
 
 
+def prefill_rows(decode_tokens: int, total_tokens: int) -> slice | None:
+    """The prefill rows of a routed batch (vLLM orders decode rows first), or None when there are
+    none. One prefill row is a real batch: vLLM's MLA split sends a one-token query down the
+    prefill path where the backend needs uniform decode queries (MTP drafts make them longer)
+    or prefill context parallelism is on, and that row must still get its ``q_b_proj`` query."""
+    return slice(decode_tokens, total_tokens) if total_tokens > decode_tokens else None
+
+
 def specialized_decode_requested() -> bool:
     """Whether the engine asks for Kimi-K3's ``decode_backend=latency_specialized`` (vLLM reads
     ``additional_config["decode_backend"]``), which a folded Kimi-K3 layer refuses."""

@@ -44,7 +44,7 @@ from vllm.utils.torch_utils import (
 from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
 from foldckpt.runtime.kernels import QueryRope, fold_gemm, fold_query, rope_query, warmup_fold_query
-from foldckpt.runtime.layer_fold import BuiltMLA, LayerFold, attach_fold
+from foldckpt.runtime.layer_fold import BuiltMLA, LayerFold, attach_fold, prefill_rows
 
 OP_NAMESPACE = "foldckpt"
 OP_NAME = "mla_attention"
@@ -195,8 +195,8 @@ class FoldedMLAMixin:
         k_roped = torch.empty(k_pe.shape, dtype=k_pe.dtype, device=k_pe.device)
         query = self._q_fold(q_c[:decode], positions[:decode], k_pe[:decode], k_roped[:decode], decode_scale)
         q_prefill = None
-        if total > decode:
-            rows = slice(decode, total)
+        rows = prefill_rows(decode, total)
+        if rows is not None:
             k_roped[rows] = k_pe[rows]
             q_prefill = self._q_b_proj(q_c[rows], positions[rows], k_roped[rows], prefill_scale)
         k_pe = k_roped
@@ -209,15 +209,15 @@ class FoldedMLAMixin:
                 query = attn._decode_concat_quant_fp8_op(
                     query[..., : self.kv_lora_rank], query[..., self.kv_lora_rank :], attn._q_scale
                 )
-        if q_prefill is not None:
+        if rows is not None:
             attn.impl.forward_mha(
                 q_prefill,
-                kv_c_normed[decode:total],
-                k_pe[decode:total],
+                kv_c_normed[rows],
+                k_pe[rows],
                 kv_cache,
                 attn_metadata,
                 attn._k_scale,
-                output=output[decode:total],
+                output=output[rows],
             )
         attn_out, _ = attn.impl.forward_mqa(query, kv_cache, attn_metadata, attn)
         attn._v_up_proj(attn_out, out=output[:decode])

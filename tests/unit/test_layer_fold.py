@@ -42,6 +42,17 @@ def test_a_fold_that_was_never_loaded_refuses_to_route() -> None:
         fold.takes(1)
 
 
+def test_every_prefill_row_of_a_routed_batch_takes_q_b_proj_even_a_single_one() -> None:
+    from foldckpt.runtime.layer_fold import prefill_rows
+
+    rows = torch.arange(7)
+    # decode rows first; the rest (one row included: a short query split off as prefill) is prefill
+    for decode, total in [(6, 7), (3, 7), (0, 7), (1, 2)]:
+        taken = prefill_rows(decode, total)
+        assert taken is not None and rows[taken].tolist() == list(range(decode, total))
+    assert prefill_rows(7, 7) is None
+
+
 def test_only_the_counting_layer_records_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from foldckpt.runtime import stats
 

@@ -41,6 +41,7 @@ from foldckpt.runtime.layer_fold import (
     BuiltMLA,
     LayerFold,
     attach_fold,
+    prefill_rows,
     specialized_decode_requested,
 )
 
@@ -124,8 +125,8 @@ class FoldedKimiK3MLA(MultiHeadLatentAttention):
 
         total = attn_metadata.num_actual_tokens
         slot_mapping = forward_context.slot_mapping[self.layer_name]
-        if total > decode:
-            rows = slice(decode, total)
+        rows = prefill_rows(decode, total)
+        if rows is not None:
             self._forward_prefill_fused(
                 self._q_b_proj(q_c[rows]),
                 kv_c_normed[rows],
