@@ -20,11 +20,12 @@ relative to OUT_DIR, and the tensor where there is one):
    at load). With ``rank``/``tp`` (any TP size dividing the heads) the sidecars are not read whole:
    only that rank's heads of each fold (what a serving node loads), plus the source files.
 4. ``deep``: recompute the folds (all, or ``sample`` layers) from the source tensors, whose hashes
-   must match the manifest, and judge each stored element against the fp64 fold (one rounding:
-   within an ulp of the fold dtype plus the fp32 accumulation bound; not against the library's own
-   fold function) and each head's relative error against the rounding tolerance (the rule convert
-   refuses a fold by), count the layers this machine reproduces bitwise, and probe ``x·W_foldᵀ``
-   against the unfolded two-step query on random x. At most one layer's tensors are in memory.
+   must match the manifest. Every fold is each element's exact value rounded once, so the stored
+   bytes must equal the recompute's on any machine (a one-ulp edit fails). Independently of the
+   library's fold function, each stored element is also judged against the fp64 fold (within an
+   ulp of the fold dtype plus the fp32 accumulation bound), each head's relative error against the
+   rounding tolerance (the rule convert refuses a fold by), and ``x·W_foldᵀ`` probed against the
+   unfolded two-step query on random x. At most one layer's tensors are in memory.
 
 Cost: ``content`` hashes each byte once: the source files with sha256, the sidecars' head blocks
 (and headers) with their BLAKE3 leaves (:mod:`foldckpt.io.hashing`), about a quarter of the CPU per byte.
@@ -383,11 +384,12 @@ def fp8_rounding_violations(
     return count, worst
 
 
-def _bitwise_equal(a: Any, b: Any) -> bool:
-    """The same bytes (NaN included, which ``torch.equal`` calls unequal to itself; -0.0 and 0.0 not)."""
+def _differing_elements(a: Any, b: Any) -> int:
+    """Elements whose bytes differ (NaN equal to the same NaN, which ``==`` is not; -0.0 and 0.0 not)."""
     import torch
 
-    return bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return int((a.view(as_int) != b.view(as_int)).sum().item())
 
 
 def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> LevelResult:
@@ -479,12 +481,15 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
             if nonfinite is not None:
                 problems.append(Problem(record.file, f"'{record.name}': {nonfinite}", record.name))
                 continue
+            # Every fold of this format is each element's exact value rounded once (rounding.py),
+            # so a correct fold is bitwise identical to the recompute, on any machine.
             if scale is None:
-                same = _bitwise_equal(stored, fold_layer(inputs.q_b_proj, inputs.kv_b_proj, geometry, dtype))
+                differing = _differing_elements(stored, fold_layer(inputs.q_b_proj, inputs.kv_b_proj, geometry, dtype))
             else:
                 values, scales = fold_layer_fp8(inputs.q_b_proj, inputs.kv_b_proj, geometry)
-                same = _bitwise_equal(stored, values) and _bitwise_equal(scale, scales)
+                differing = _differing_elements(stored, values) + _differing_elements(scale, scales)
                 del values, scales
+            same = differing == 0
             bitwise += same
             if not inputs.finite():
                 # NaN/Inf inputs, folded under --allow-nonfinite: no fp64 bound applies, only the recompute
@@ -510,22 +515,22 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
                 off, ulps = one_rounding_violations(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry)
                 worst_ulps = max(worst_ulps, ulps)
             inaccurate = accuracy_problem(measured, dtype)  # the rule convert refuses a fold by
-            if inaccurate is not None or not probe <= 2 * tolerance or off:  # NaN fails too
+            if not same or inaccurate is not None or not probe <= 2 * tolerance or off:  # NaN fails too
                 accuracy = inaccurate or f"relative error vs fp64 {error:.2e} in head {measured.worst_head}"
                 problems.append(
                     Problem(
                         record.file,
-                        f"'{record.name}' is not the fold of its sources rounded once ({accuracy}; probe "
-                        f"x·W_foldᵀ vs two-step query {probe:.2e}, tolerance {tolerance:.1e}; "
-                        f"{off} element(s) beyond one rounding of the fp64 fold)",
+                        f"'{record.name}' is not the fold of its sources rounded once ({differing} element(s) "
+                        f"differ from the exact fold recomputed here; {accuracy}; probe x·W_foldᵀ vs two-step "
+                        f"query {probe:.2e}, tolerance {tolerance:.1e}; {off} element(s) beyond one rounding "
+                        "of the fp64 fold)",
                         record.name,
                     )
                 )
     bar.close()
-    rounding = ", every element within one rounding of fp64"
     summary = (
-        f"{len(chosen)}/{len(plan.layers)} layer(s) recomputed: {bitwise} bitwise identical, "
-        f"{len(chosen) - bitwise} within {tolerance:.1e} of fp64 (worst {worst_error:.1e}){rounding}; "
+        f"{len(chosen)}/{len(plan.layers)} layer(s) recomputed: {bitwise} bitwise identical to the exact fold, "
+        f"within {tolerance:.1e} of fp64 (worst {worst_error:.1e}), every element within one rounding of fp64; "
         f"probe x·W_foldᵀ vs unfolded query worst relative error {worst_probe:.1e}"
         + (f"; {nonfinite_inputs} layer(s) with NaN/Inf inputs compared bitwise only" if nonfinite_inputs else "")
     )
