@@ -29,9 +29,10 @@ Method, per head: ``e = a·b`` with ``a = W_UK[h]ᵀ`` ``[L, P]`` and ``b = W_qb
    is monotone, so no fp32 number ``m`` lies strictly between ``x`` and ``y`` unless ``y = m``. A
    boundary is an fp32 number whose bits below the dtype's precision are 1000...0 (bf16: the low 16,
    everywhere, subnormals and overflow included; fp16: the low 13, from its smallest normal number
-   up, and smaller values are suspects), so the bulk test looks at those bits, and at ``|round(y)|``
-   against the row's threshold ``T >= 2^27·β``. fp32 (the fp8 fold's intermediate): ``r = fp32(x)``,
-   certified where the sum is exact (below) or ``[x - β, x + β]`` lies strictly between the midpoints
+   up, and smaller values are suspects), so the bulk test looks at those bits, and at ``|y|`` against
+   the row's threshold ``T >= 2^26·β`` (an fp32 number, rounded up from ``2^26·β``; at least fp32's
+   smallest normal number, where that rounding is relative). fp32 (the fp8 fold's intermediate):
+   ``r = fp32(x)``, certified where the sum is exact (below) or ``[x - β, x + β]`` lies strictly between the midpoints
    from ``r`` to its fp32 neighbours (exact in fp64).
 4. Suspects, what the bulk test leaves (about 2^-16 of the elements, whose fp32 value happens to be a
    boundary, and those small next to their row's bound): ``x`` is exact where every product is a
@@ -48,8 +49,13 @@ Method, per head: ``e = a·b`` with ``a = W_UK[h]ᵀ`` ``[L, P]`` and ``b = W_qb
 
 Why fp64 and not the faster sums: an fp32 sum (a CPU's fp32 GEMM, oneDNN's bf16 kernels on AMX, a
 GPU without TF32) is within ``γ(P-1)·S``, 2^-17·S for Kimi-K3's P = 128, of ``e``, which leaves a few
-percent of the elements within their bound of a bf16 tie, too many to settle one by one; in fp64
-almost none are, for the price of an fp64 GEMM (stage_busy_s.fold in docs/bench/convert*.json).
+percent of the elements within their bound of a bf16 tie, too many to settle one by one, and spread
+over every row, so no row block could go back to fp64 alone; in fp64 almost none are, for the price
+of an fp64 GEMM (stage_busy_s.fold in docs/bench/convert*.json). Nor exact sums of sliced inputs
+(Ozaki's scheme) on int8 GEMMs, whose int32 sums are exact in any order: an int8 slice holds 7 bits
+of a bf16 significand's 8, and the slices must cover each row's range of exponents, so the slice
+products outnumber what one fp64 GEMM costs; bf16 slices would need a bf16 GEMM with fp32 output,
+which torch's CPU kernels do not offer.
 
 An exact zero is stored as +0 (the sign of an fp64 zero sum depends on the order; adding +0 makes
 it +0, and a zero next to nonzero terms is small next to its bound, so it is settled exactly).
@@ -102,9 +108,8 @@ def round_exact_products_into(
         suspects = _fp32_suspects(x, staged, beta, _exact_grid(a64, b64, bits, sums)) if finite else None
     else:
         y = workspace_buffer(workspace, "y", out.shape, torch.float32, device)
-        y.copy_(x).add_(0.0)
-        staged.copy_(y)
-        suspects = _narrow_suspects(y, staged, beta) if finite else None
+        staged.copy_(y.copy_(x).add_(0.0))
+        suspects = _narrow_suspects(y, beta, dtype, workspace) if finite else None
     if suspects is not None and suspects.numel():
         _settle(staged, x, a64, b64, bits, suspects)
     if staged is not out:
@@ -122,30 +127,37 @@ def workspace_buffer(
     return held
 
 
-def _narrow_suspects(y: torch.Tensor, r: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+def _narrow_suspects(
+    y: torch.Tensor, beta: torch.Tensor, dtype: torch.dtype, workspace: dict[str, torch.Tensor]
+) -> torch.Tensor:
     """``[m, 3]`` (head, row, column) of the elements the lemma (the module's step 3) does not certify
-    for ``r``, ``y`` rounded to bf16 or fp16: ``y`` a boundary (its bits below ``r``'s precision are
-    1000...0, which holds for every bf16 boundary and for fp16's from its smallest normal number up,
-    its overflow threshold included), or ``|r| < T``, ``T >= 2^27·β`` (and at least fp16's smallest
-    normal number), which implies ``|y| >= 2^26·β`` where ``|r|`` is not below it (``r`` is within
-    2^-8·|r| of ``y``, and ``T`` within 2^-8·T of ``2^28·β``); an element may come twice. Rows are
-    screened first with row minima of integer views, which cost a fraction of a comparison over
-    every element on the CPU: a bf16 boundary's low 16 bits are -2^15 as an int16, the least one."""
-    info = torch.finfo(r.dtype)
-    floor = info.smallest_normal * (info.eps if r.dtype == torch.bfloat16 else 1.0)
-    threshold = torch.where(beta > 0, (beta * 2.0**28).clamp_(min=floor), 0.0).to(r.dtype).view(torch.int16)
-    magnitude = r.view(torch.int16) & 0x7FFF  # r's bits without its sign: ordered as |r|
-    if r.dtype == torch.bfloat16:
-        low, least = y.view(torch.int16), -(2**15)  # both halves; a high half of -2^15 is -0 or below 2^-133: small
-    else:
-        low, least = y.view(torch.int32) << (32 - 24 + _significand_bits(r.dtype)), -(2**31)  # the low bits moved up
+    for ``y`` rounded to ``dtype`` (bf16 or fp16): ``y`` a boundary (its bits below ``dtype``'s
+    precision are 1000...0, which holds for every bf16 boundary and for fp16's from its smallest
+    normal number up, its overflow threshold included), or ``|y| < T``, ``T >= 2^26·β`` (and at
+    least fp32's smallest normal number, so that ``T``'s own rounding to fp32 is relative, and
+    fp16's, below which its boundaries are not bit patterns). Rows are screened first with row
+    minima of integer views (a boundary's low bits moved to the top are -2^31, the least int32;
+    ``|y|``'s bits, its sign cleared, are ordered as ``|y|``), which cost a fraction of a comparison
+    over every element on the CPU; the test on ``y`` itself, not on its rounding, screens a
+    quarter as many rows."""
+    floor = max(torch.finfo(torch.float32).smallest_normal, torch.finfo(dtype).smallest_normal)
+    # 2^26·β·(1 + 2^-20) rounded to fp32 is still >= 2^26·β: that rounding costs 2^-24 relative at most
+    limit = (beta * (2.0**26 * (1 + 2.0**-20))).clamp_(min=floor)
+    threshold = torch.where(beta > 0, limit, 0.0).to(torch.float32).view(torch.int32)
+    bits, least = y.view(torch.int32), -(2**31)
+    magnitude = torch.bitwise_and(bits, 0x7FFFFFFF, out=workspace_buffer(workspace, "magnitude", *_like(bits)))
+    low = torch.bitwise_left_shift(
+        bits, 32 - 24 + _significand_bits(dtype), out=workspace_buffer(workspace, "low", *_like(bits))
+    )
     screened = (low.amin(2) == least).logical_or_(magnitude.amin(2) < threshold)
     heads, rows = torch.nonzero(screened).unbind(1)
-    boundary = torch.nonzero(low[heads, rows] == least)
-    small = torch.nonzero(magnitude[heads, rows] < threshold[heads, rows].unsqueeze(1))
-    which = torch.cat((boundary[:, 0], small[:, 0]))
-    cols = torch.cat((boundary[:, 1] // (low.shape[2] // r.shape[2]), small[:, 1]))
+    uncertified = (low[heads, rows] == least).logical_or_(magnitude[heads, rows] < threshold[heads, rows].unsqueeze(1))
+    which, cols = torch.nonzero(uncertified).unbind(1)
     return torch.stack((heads[which], rows[which], cols), dim=1)
+
+
+def _like(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
+    return tensor.shape, tensor.dtype, tensor.device
 
 
 def _fp32_suspects(x: torch.Tensor, r: torch.Tensor, beta: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ distance (ties to the even bit pattern), with no integer rounding code shared.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from fractions import Fraction
 
@@ -15,6 +16,7 @@ import torch
 
 from foldckpt.fold import fold_layer, fold_layer_fp8, quantize_fp8_rows
 from foldckpt.model.geometry import Geometry, MLALayer
+from foldckpt.rounding import _narrow_suspects, round_exact_products_into
 
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -226,3 +228,96 @@ def test_the_fp8_fold_is_quantized_from_the_exactly_rounded_fp32_fold() -> None:
     expected_values, expected_scale = quantize_fp8_rows(fp32)
     assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
     assert torch.equal(scale, expected_scale)
+
+
+def _adversarial_head(kind: str, p: int, lora: int, cols: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """One head's ``a_t [P, L]`` and ``b [P, Lq]`` (fp64 holding bf16 values) of one kind: small
+    integers (their sums land on bf16, fp16 and fp32 ties, exactly), those plus ±2^-50 terms (off
+    the ties by less than fp64 keeps next to them), values over 80 binades (sums that fp64
+    rounds), subnormal products, ±2^60 products cancelling over small ones (fp64 loses the small
+    ones in some orders), and zero rows and columns."""
+
+    def ints(rows: int, width: int, bound: int) -> torch.Tensor:
+        return torch.randint(-bound, bound + 1, (rows, width), generator=generator).double()
+
+    a, b = ints(p, lora, 15), ints(p, cols, 31)
+    if kind == "off_ties":
+        a[-1], b[-1] = 2.0**-25, 2.0**-25 * torch.sign(ints(1, cols, 1)[0])
+    elif kind == "wide":
+        a, b = a * 2.0 ** (ints(p, lora, 40) - 20), b * 2.0 ** (ints(p, cols, 40) - 10)
+    elif kind == "subnormal":
+        a, b = a * 2.0**-70, b * 2.0**-66
+    elif kind == "cancel":
+        a[0], a[-1], b[0], b[-1] = 2.0**30, 2.0**30, 2.0**30, -(2.0**30)  # apart: no order adds them first
+    elif kind == "zeros":
+        a[:, ::3], b[:, ::4] = 0.0, 0.0
+    return a, b
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+def test_every_element_of_adversarial_heads_is_its_exact_value_rounded_once(
+    out_dtype: torch.dtype, in_dtype: torch.dtype
+) -> None:
+    """Heads of every kind of :func:`_adversarial_head` in one call, each element against its
+    Fraction sum rounded once. Kills: no boundary test in the bulk certificate (the ±2^-50 terms),
+    no small-value test (the cancelling ±2^60 products), and any rounding of an fp64 or fp32 sum
+    as it is."""
+    kinds = ("ties", "off_ties", "wide", "subnormal", "cancel", "zeros")
+    generator = torch.Generator().manual_seed(7)
+    heads = [_adversarial_head(kind, 16, 24, 40, generator) for kind in kinds]
+    a_t = torch.stack([a for a, _ in heads]).to(in_dtype)
+    b = torch.stack([b for _, b in heads]).to(in_dtype)
+    out = torch.empty(len(kinds), 24, 40, dtype=out_dtype)
+    round_exact_products_into(out, a_t, b, {})
+    a_exact, b_exact = a_t.double().tolist(), b.double().tolist()
+    for head, kind in enumerate(kinds):
+        for row in range(24):
+            for col in range(40):
+                terms = zip((line[row] for line in a_exact[head]), (line[col] for line in b_exact[head]), strict=True)
+                exact = sum((Fraction(left) * Fraction(right) for left, right in terms), Fraction(0))
+                expected = correctly_rounded(exact, out_dtype).view(BITS[out_dtype])
+                assert out[head, row, col].view(BITS[out_dtype]) == expected, (kind, row, col, float(exact))
+
+
+def _needs_settling(y: float, beta: float, dtype: torch.dtype) -> bool:
+    """What the bulk lemma (rounding.py's step 3) leaves to the suspects, decided in exact arithmetic:
+    ``|y| < 2^26·β``, ``y`` below fp32's smallest normal number (or fp16's, for fp16), or ``y`` a
+    rounding boundary of ``dtype``, a value halfway between two neighbours on its grid (the
+    overflow threshold included: it is the midpoint past the largest value)."""
+    info = torch.finfo(dtype)
+    floor = max(torch.finfo(torch.float32).smallest_normal, info.smallest_normal)
+    if Fraction(abs(y)) < Fraction(2) ** 26 * Fraction(beta) or abs(y) < floor:
+        return True
+    exponent = math.frexp(abs(y))[1] - 1  # |y| in [2^exponent, 2^(exponent+1))
+    quantum = Fraction(2) ** (exponent - (1 - int(math.log2(info.eps))) + 1)
+    return (Fraction(abs(y)) / quantum) % 1 == Fraction(1, 2) and abs(y) <= info.max + quantum / 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_bulk_certificate_leaves_every_element_the_lemma_does_not_cover(dtype: torch.dtype) -> None:
+    """Rows of fp32 values against their row's bound, around each edge of the lemma: ``|y|`` one fp32
+    step either side of ``2^26·β``, where ``2^26·β`` rounds down to fp32, boundaries, values below
+    the floors, and plain values well inside; every element :func:`_needs_settling` says the lemma
+    does not cover is a suspect, and a row of plain values gives none. Kills: a threshold of 2^25·β,
+    ``2^26·β`` rounded to fp32 to nearest (below it, by up to half an fp32 ulp), the floor at bf16's
+    least subnormal or at fp32's for fp16 too, the boundary bits shifted by one, and no boundary
+    test."""
+    tie = 1 + 2.0 ** (int(math.log2(torch.finfo(dtype).eps)) - 1)  # halfway from 1 to its neighbour
+    edge = 2.0**-40 * 2**26
+    down = 1.0 + 2.0**-30  # 2^26·β for β = down·2^-26 rounds down to fp32's 1.0
+    beta = torch.tensor([[2.0**-40, down * 2.0**-26, 2.0**-200, 2.0**-60, 2.0**-60]], dtype=torch.float64)
+    rows = [
+        [edge, math.nextafter(edge, 0), -math.nextafter(edge, 0), math.nextafter(edge, 1), 3.0, -0.75],
+        [1.0, -1.0, 1.0 + 2.0**-23, 2.0, 0.5, 3.0],
+        [2.0**-127, 2.0**-126, 2.0**-15, 2.0**-14, 2.0**-149, 0.0],
+        [tie, -tie, 2 * tie, tie / 1024, tie + 2.0**-23, 1.5],
+        [1.0 + 2.0**-23 * k for k in range(1, 7)],
+    ]
+    y = torch.tensor([rows], dtype=torch.float32)
+    flagged = {(row, col) for _, row, col in _narrow_suspects(y, beta, dtype, {}).tolist()}
+    for row, values in enumerate(y[0].tolist()):
+        for col, value in enumerate(values):
+            if _needs_settling(value, beta[0, row].item(), dtype):
+                assert (row, col) in flagged, (row, col, value)
+    assert not any(row == 4 for row, _ in flagged)  # plain values: no work for the settlement
