@@ -93,7 +93,7 @@ class ConvertOptions:
     restart: bool = flag("Discard an unfinished (or different) previous run in OUT_DIR.", False)
     overwrite: bool = flag("Allow a non-empty OUT_DIR that is not a foldckpt output.", False)
     device: str = flag(
-        "Where the fold is computed (auto: a GPU when torch sees one); fp32 either way, rounded once.",
+        "Where the fold is computed (auto: a GPU when torch sees one); the same bytes either way.",
         DEFAULT_FOLD_DEVICE,
         choices=FOLD_DEVICES,
         show_default=True,
