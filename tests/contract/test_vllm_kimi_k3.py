@@ -27,6 +27,7 @@ K3 = "vllm.models.kimi_k3"
 NV_MLA = "vllm.models.kimi_k3.nvidia.mla"
 NV_MODEL = "vllm.models.kimi_k3.nvidia.model"
 NV_MTP = "vllm.models.kimi_k3.nvidia.mtp"
+NV_DSA = "vllm.models.kimi_k3.nvidia.dsa"
 LOW_LATENCY = "vllm.models.kimi_k3.nvidia.low_latency_gemm"
 MLA = "MultiHeadLatentAttention"
 AMD_MLA = "vllm.models.kimi_k3.amd.mla"
@@ -351,6 +352,23 @@ def test_nvidia_model_builds_the_mla_from_a_patchable_global(k3_tree: SourceTree
     tree.require_call(
         NV_MTP, "KimiK3MultiTokenPredictorLayer", "__init__", "KimiDecoderLayer", keywords=["prefix"], why=why
     )
+
+
+def test_kimi_k3_1_dsa_layers_reach_the_generic_wrapper_that_refuses_sparse_mla(k3_tree: SourceTree) -> None:
+    """Kimi K3.1's DSA layers (vLLM 0.34) are the generic ``MultiHeadLatentAttentionWrapper`` with
+    ``is_sparse=True``: the plugin's replacement of that class sees each one and stops the engine
+    for a folded sparse layer (its decode is not the dense MQA the fold feeds). Built through a
+    class of their own, they would serve unfolded next to folded layers, silently."""
+    tree, why = k3_tree, "Kimi K3.1 DSA layers are built by the generic MLA wrapper the plugin replaces"
+    if not tree.has_module(NV_DSA):
+        pytest.skip(f"{tree.label}: no Kimi K3.1 DSA layers")
+    tree.require_method(
+        NV_DSA, "KimiK3DSAAttention", "__init__", calls=["MLAModules", "MultiHeadLatentAttentionWrapper"], why=why
+    )
+    modules = tree.require_call(NV_DSA, "KimiK3DSAAttention", "__init__", "MLAModules", keywords=["is_sparse"], why=why)
+    assert modules.keywords["is_sparse"] == "True", f"{tree.label}: {modules} [foldckpt: {why}]"
+    assert tree.imported_from(NV_DSA, "MultiHeadLatentAttentionWrapper") == {"vllm.model_executor.layers.mla"}
+    tree.require_method(NV_MODEL, "KimiDecoderLayer", "__init__", calls=["KimiK3DSAAttention"], why=why)
 
 
 def test_low_latency_gemm_skips_quant_method_subclasses(k3_tree: SourceTree) -> None:
