@@ -7,7 +7,8 @@ neighbouring rows have scales of the same magnitude: serving each row with its n
 after ``process_weights_after_loading``, its weight repacked for the CPU GEMM) is held to an fp64
 product with the e4m3 rows read by an independent reader (safetensors) and scales recomputed from
 the fp64 fold: a rolled or permuted scale row, a scale rounded to bf16, or rows of another head
-fail it.
+fail it. ``attach_fold``, which decides while vLLM builds a layer whether it is folded or the
+engine stops, is held here too, in the same vLLM world.
 """
 
 from __future__ import annotations
@@ -92,3 +93,24 @@ def test_an_fp8_fold_serves_each_row_with_its_own_scale(converted: Converted, vl
     finally:
         torch.set_default_dtype(previous)
     assert [layer.index for layer in build.loaded] == [layer.index for layer in g.layers]
+
+
+def test_a_folded_layer_in_a_configuration_without_a_folded_path_stops_the_engine(
+    converted: Converted, vllm_world: object
+) -> None:
+    """``attach_fold`` while vLLM builds the layer: an active configuration the folded class does
+    not implement (sparse MLA, DCP query replication...) stops the engine naming it and the layer,
+    and the same layer with none active is folded."""
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+
+    from foldckpt.errors import FoldckptError
+    from foldckpt.runtime.layer_fold import BuiltMLA, attach_fold
+
+    _, out_dir = converted("deepseek_v3")
+    g = open_fold_set(out_dir).geometry
+    prefix = f"{g.layers[0].prefix}.self_attn"
+    with set_current_vllm_config(VllmConfig(model_config=ModelConfig(model=str(out_dir)))):
+        with pytest.raises(FoldckptError, match=rf"does not support sparse MLA \(layer '{prefix}'\); set FOLDCKPT"):
+            attach_fold(prefix, BuiltMLA.of(g), g.num_heads, {"sparse MLA": True, "DCP": False}, lambda: "")
+        fold = attach_fold(prefix, BuiltMLA.of(g), g.num_heads, {"sparse MLA": False, "DCP": False}, lambda: "")
+        assert fold is not None and fold.layer == g.layers[0]
