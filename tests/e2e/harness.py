@@ -101,6 +101,44 @@ def run_job(
     )
 
 
+def engine_spec(
+    model: Path,
+    dtype: str,
+    *,
+    eager: bool = True,
+    force: list[list[int]] | None = None,
+    logprobs: int | None = None,
+    tensor_parallel_size: int = 1,
+    prompts: list[list[int]] = PROMPTS,
+    max_tokens: int = MAX_TOKENS,
+    spec_extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The engine_job.py spec of a greedy generation of ``prompts`` x ``max_tokens`` on ``model``;
+    ``spec_extra`` adds keys (e.g. ``{"kimi_k3_cpu": True}``)."""
+    return {
+        "model": str(model),
+        "dtype": dtype,
+        "eager": eager,
+        "max_model_len": MAX_MODEL_LEN,
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+        "force": force,
+        "tensor_parallel_size": tensor_parallel_size,
+        **(spec_extra or {}),
+    }
+
+
+def start_engine(
+    workdir: Path, name: str, model: Path, *, env: dict[str, str] | None = None, **spec_extra: Any
+) -> tuple[int, str]:
+    """A short eager engine (one prompt, two steps) whose exit the caller judges: the exit code and
+    the log (for engines that must stop, naming what stopped them)."""
+    spec = engine_spec(model, "bfloat16", prompts=PROMPTS[:1], max_tokens=2, spec_extra=spec_extra)
+    proc = run_job(workdir, name, spec, engine_env(**(env or {})), timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 def run_engine(
     workdir: Path,
     name: str,
@@ -116,22 +154,21 @@ def run_engine(
     max_tokens: int = MAX_TOKENS,
     spec_extra: dict[str, Any] | None = None,
 ) -> EngineRun:
-    """Generate ``prompts`` x ``max_tokens`` greedily on ``model``; the stats file of the (first)
-    worker is read back. ``spec_extra`` adds engine_job.py spec keys (e.g. ``{"kimi_k3_cpu": True}``)."""
+    """Generate ``prompts`` x ``max_tokens`` greedily on ``model`` (:func:`engine_spec`) and
+    require it to succeed; the stats file of the (first) worker is read back."""
     stats_path = workdir / f"{name}.stats.json"
     stats_path.unlink(missing_ok=True)
-    spec = {
-        "model": str(model),
-        "dtype": dtype,
-        "eager": eager,
-        "max_model_len": MAX_MODEL_LEN,
-        "prompts": prompts,
-        "max_tokens": max_tokens,
-        "logprobs": logprobs,
-        "force": force,
-        "tensor_parallel_size": tensor_parallel_size,
-        **(spec_extra or {}),
-    }
+    spec = engine_spec(
+        model,
+        dtype,
+        eager=eager,
+        force=force,
+        logprobs=logprobs,
+        tensor_parallel_size=tensor_parallel_size,
+        prompts=prompts,
+        max_tokens=max_tokens,
+        spec_extra=spec_extra,
+    )
     proc = run_job(workdir, name, spec, engine_env(FOLDCKPT_STATS_FILE=str(stats_path), **(env or {})))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"engine {name} failed:\n{log[-6000:]}"

@@ -31,11 +31,10 @@ from tests.e2e.harness import (
     MAX_MODEL_LEN,
     TP2_ENV,
     EngineRun,
-    engine_env,
     logprob_gaps,
     requires_vllm,
     run_engine,
-    run_job,
+    start_engine,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, requires_vllm]
@@ -309,19 +308,8 @@ def test_corrupted_sidecar_stops_the_engine_naming_the_file(
     data = bytearray(path.read_bytes())
     data[info.end - 64] ^= 0xFF
     path.write_bytes(bytes(data))
-    spec = {
-        "model": str(model),
-        "dtype": "bfloat16",
-        "eager": True,
-        "max_model_len": MAX_MODEL_LEN,
-        "prompts": SHORT_PROMPTS[:1],
-        "max_tokens": 2,
-        "tensor_parallel_size": 1,
-        "kimi_k3_cpu": True,
-    }
-    proc = run_job(engine_dir, "k3-corrupted", spec, engine_env(), timeout=300)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    returncode, log = start_engine(engine_dir, "k3-corrupted", model, kimi_k3_cpu=True)
+    assert returncode != 0
     assert f"FoldckptError: {path}: tensor '{name}'" in log
     assert "do not match their head digests" in log
 
@@ -342,20 +330,14 @@ def test_hybrid_kimi_k3_reaches_engine_ready_with_every_mla_fold_loaded(engine_d
 
 def test_latency_specialized_decode_stops_the_engine(engine_dir: Path, k3_bf16_folded: Path) -> None:
     # Its fused CuTe query kernel reads q_b_proj.weight and W_UK_T itself: never fold around it.
-    spec = {
-        "model": str(k3_bf16_folded),
-        "dtype": "bfloat16",
-        "eager": True,
-        "max_model_len": MAX_MODEL_LEN,
-        "prompts": SHORT_PROMPTS[:1],
-        "max_tokens": 2,
-        "tensor_parallel_size": 1,
-        "kimi_k3_cpu": True,
-        "additional_config": {"decode_backend": "latency_specialized"},
-    }
-    proc = run_job(engine_dir, "k3-latency-specialized", spec, engine_env(), timeout=300)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    returncode, log = start_engine(
+        engine_dir,
+        "k3-latency-specialized",
+        k3_bf16_folded,
+        kimi_k3_cpu=True,
+        additional_config={"decode_backend": "latency_specialized"},
+    )
+    assert returncode != 0
     assert (
         f"FoldckptError: {k3_bf16_folded}: the foldckpt plugin does not support the latency_specialized "
         "decode backend (layer 'language_model.model.layers.0.self_attn')"

@@ -8,7 +8,6 @@ the original's greedy tokens from OUT_DIR, and the plugin must load the folds fr
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.model.checkpoint import INDEX_NAME
 from foldckpt.model.synthetic import make_checkpoint
-from tests.e2e.harness import MAX_MODEL_LEN, PROMPTS, engine_env, requires_vllm, run_job
+from tests.e2e.harness import PROMPTS, requires_vllm, run_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, requires_vllm]
 
@@ -28,21 +27,8 @@ PLUGIN = {"PYTHONPATH": str(REPO)}
 
 def generate(workdir: Path, name: str, model: Path, env: dict[str, str]) -> tuple[list[list[int]], str]:
     """Greedy tokens of 2 prompts x 4 steps on a fresh engine, and its log."""
-    spec = {
-        "model": str(model),
-        "dtype": "float32",
-        "eager": True,
-        "max_model_len": MAX_MODEL_LEN,
-        "prompts": PROMPTS[:2],
-        "max_tokens": 4,
-        "logprobs": None,
-        "force": None,
-        "tensor_parallel_size": 1,
-    }
-    proc = run_job(workdir, name, spec, engine_env(**env))
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"engine {name} on {model} failed:\n{log[-6000:]}"
-    return json.loads((workdir / f"{name}.out.json").read_text())["tokens"], log
+    run = run_engine(workdir, name, model, "float32", env=env, prompts=PROMPTS[:2], max_tokens=4)
+    return run.tokens, run.log
 
 
 @pytest.fixture(scope="module")

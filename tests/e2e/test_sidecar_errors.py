@@ -19,7 +19,7 @@ from foldckpt.errors import FoldckptError
 from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
 from foldckpt.io.safetensors_format import read_header
 from foldckpt.runtime.loader import open_fold_set
-from tests.e2e.harness import MAX_MODEL_LEN, PROMPTS, engine_env, requires_vllm, run_job
+from tests.e2e.harness import requires_vllm, start_engine
 
 
 def _copy(converted: Path, dest: Path) -> tuple[Path, Path]:
@@ -27,20 +27,6 @@ def _copy(converted: Path, dest: Path) -> tuple[Path, Path]:
     shutil.copytree(converted, dest)
     (sidecar,) = read_manifest(dest).sidecars
     return dest, dest / sidecar
-
-
-def _start(engine_dir: Path, name: str, model: Path, **env: str) -> tuple[int, str]:
-    spec = {
-        "model": str(model),
-        "dtype": "bfloat16",
-        "eager": True,
-        "max_model_len": MAX_MODEL_LEN,
-        "prompts": PROMPTS[:1],
-        "max_tokens": 2,
-        "tensor_parallel_size": 1,
-    }
-    proc = run_job(engine_dir, name, spec, engine_env(**env), timeout=300)
-    return proc.returncode, proc.stdout + proc.stderr
 
 
 def _flip(path: Path, offset: int, mask: int) -> None:
@@ -58,7 +44,7 @@ def _flip(path: Path, offset: int, mask: int) -> None:
 def test_corrupted_sidecar_stops_the_engine(engine_dir: Path, converted_bf16: Path, tmp_path: Path) -> None:
     model, sidecar = _copy(converted_bf16, tmp_path / "corrupted")
     _flip(sidecar, sidecar.stat().st_size - 64, 0xFF)  # inside the last fold tensor's data
-    returncode, log = _start(engine_dir, "corrupted-sidecar", model)
+    returncode, log = start_engine(engine_dir, "corrupted-sidecar", model)
     assert returncode != 0
     assert f"FoldckptError: {sidecar}: tensor 'model.layers.1.self_attn.q_fold.weight'" in log
     assert "do not match their head digests" in log
@@ -70,7 +56,7 @@ def test_corrupted_sidecar_stops_the_engine(engine_dir: Path, converted_bf16: Pa
 def test_missing_sidecar_stops_the_engine(engine_dir: Path, converted_bf16: Path, tmp_path: Path) -> None:
     model, sidecar = _copy(converted_bf16, tmp_path / "missing")
     sidecar.unlink()
-    returncode, log = _start(engine_dir, "missing-sidecar", model)
+    returncode, log = start_engine(engine_dir, "missing-sidecar", model)
     assert returncode != 0
     assert f"FoldckptError: {sidecar}: listed in foldckpt.json but missing" in log
 
@@ -89,7 +75,7 @@ def test_a_fold_input_changed_in_place_stops_the_engine(engine_dir: Path, conver
         if s.name.endswith("q_b_proj.weight")
     )
     _flip(model / source.file, read_header(model / source.file).tensors[source.name].start, 0x01)
-    returncode, log = _start(engine_dir, "changed-input", model)
+    returncode, log = start_engine(engine_dir, "changed-input", model)
     assert returncode != 0
     assert f"FoldckptError: {model / source.file}: tensor '{source.name}' is not the one" in log
     assert "the fold belongs to other weights" in log
@@ -102,7 +88,9 @@ def test_a_pinned_engine_refuses_an_unconverted_model(engine_dir: Path, tiny_mod
     """With the pin set, serving the original instead of its conversion stops the engine (it
     served the original unfolded)."""
     pin = hashlib.sha256((converted_bf16 / MANIFEST_NAME).read_bytes()).hexdigest()
-    returncode, log = _start(engine_dir, "pinned-unconverted", tiny_model, FOLDCKPT_EXPECT_MANIFEST_SHA256=pin)
+    returncode, log = start_engine(
+        engine_dir, "pinned-unconverted", tiny_model, env={"FOLDCKPT_EXPECT_MANIFEST_SHA256": pin}
+    )
     assert returncode != 0
     assert f"FoldckptError: {tiny_model / MANIFEST_NAME}: missing, but FOLDCKPT_EXPECT_MANIFEST_SHA256 pins" in log
 
