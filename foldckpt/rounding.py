@@ -108,7 +108,7 @@ def round_exact_products_into(
         suspects = _fp32_suspects(x, staged, beta, _exact_grid(a64, b64, bits, sums)) if finite else None
     else:
         y = workspace_buffer(workspace, "y", out.shape, torch.float32, device)
-        staged.copy_(y.copy_(x).add_(0.0))
+        staged.copy_(y.copy_(x).add_(0.0))  # an fp64 zero sum made +0 (-0 + 0 is +0)
         suspects = _narrow_suspects(y, beta, dtype, workspace) if finite else None
     if suspects is not None and suspects.numel():
         _settle(staged, x, a64, b64, bits, suspects)
@@ -136,24 +136,37 @@ def _narrow_suspects(
     normal number up, its overflow threshold included), or ``|y| < T``, ``T >= 2^26·β`` (and at
     least fp32's smallest normal number, so that ``T``'s own rounding to fp32 is relative, and
     fp16's, below which its boundaries are not bit patterns). Rows are screened first with row
-    minima of integer views (a boundary's low bits moved to the top are -2^31, the least int32;
-    ``|y|``'s bits, its sign cleared, are ordered as ``|y|``), which cost a fraction of a comparison
-    over every element on the CPU; the test on ``y`` itself, not on its rounding, screens a
-    quarter as many rows."""
+    reductions that make no temporary of their own (:func:`_rows_with_boundaries`, the least
+    ``|y|``), and only the rows they flag are tested element by element: on the CPU, each pass
+    over every element is a sizeable share of the fold, after the GEMM."""
     floor = max(torch.finfo(torch.float32).smallest_normal, torch.finfo(dtype).smallest_normal)
     # 2^26·β·(1 + 2^-20) rounded to fp32 is still >= 2^26·β: that rounding costs 2^-24 relative at most
     limit = (beta * (2.0**26 * (1 + 2.0**-20))).clamp_(min=floor)
-    threshold = torch.where(beta > 0, limit, 0.0).to(torch.float32).view(torch.int32)
-    bits, least = y.view(torch.int32), -(2**31)
-    magnitude = torch.bitwise_and(bits, 0x7FFFFFFF, out=workspace_buffer(workspace, "magnitude", *_like(bits)))
-    low = torch.bitwise_left_shift(
-        bits, 32 - 24 + _significand_bits(dtype), out=workspace_buffer(workspace, "low", *_like(bits))
-    )
-    screened = (low.amin(2) == least).logical_or_(magnitude.amin(2) < threshold)
+    threshold = torch.where(beta > 0, limit, 0.0).to(torch.float32)
+    bits = _significand_bits(dtype)
+    magnitude = torch.abs(y, out=workspace_buffer(workspace, "magnitude", *_like(y)))
+    screened = _rows_with_boundaries(y, bits).logical_or_(magnitude.amin(2) < threshold)
     heads, rows = torch.nonzero(screened).unbind(1)
-    uncertified = (low[heads, rows] == least).logical_or_(magnitude[heads, rows] < threshold[heads, rows].unsqueeze(1))
+    uncertified = _boundaries(y[heads, rows], bits).logical_or_(magnitude[heads, rows] < threshold[heads, rows, None])
     which, cols = torch.nonzero(uncertified).unbind(1)
     return torch.stack((heads[which], rows[which], cols), dim=1)
+
+
+def _boundaries(y: torch.Tensor, bits: int) -> torch.Tensor:
+    """Whether each fp32 ``y`` is a boundary of the ``bits``-bit dtype: its bits below that precision,
+    moved to the top of an int32, are 1000...0, the least int32."""
+    return torch.bitwise_left_shift(y.view(torch.int32), 32 - 24 + bits) == -(2**31)
+
+
+def _rows_with_boundaries(y: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[n, L]``: whether a row of ``y`` may hold a boundary (:func:`_boundaries`); rows flagged
+    wrongly only cost their test. bf16: the low 16 bits of an fp32 value are an int16 of their own,
+    and 0x8000 is the least int16, so one reduction over the int16 view finds the rows (it also
+    flags a row with a high half of 0x8000, an fp32 value of at most 2^-133 in magnitude, small
+    next to any bound)."""
+    if bits == _significand_bits(torch.bfloat16):
+        return y.view(torch.int16).amin(2) == -(2**15)
+    return _boundaries(y, bits).any(2)
 
 
 def _like(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
