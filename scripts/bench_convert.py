@@ -54,8 +54,12 @@ _SETTLE_S = 5.0
 # object torch made, a visible share of a short run's wall). Peak RSS is
 # VmHWM, the high-water mark of this process's own address space, read at exit: ru_maxrss would
 # also count the bench parent's memory, which Linux carries across fork + exec.
+# argv[1]: a folder to import foldckpt from ahead of everything else (--baseline), or "".
 _CHILD = """
 import atexit, json, resource, sys
+_import_from = sys.argv.pop(1)
+if _import_from:
+    sys.path.insert(0, _import_from)
 def _usage():
     usage = resource.getrusage(resource.RUSAGE_SELF)
     hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
@@ -212,13 +216,18 @@ def _torch_start_s(device: str) -> float:
     return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
-def _convert_in_child(model_dir: Path, out_dir: Path, device: str, fold_dtype: str) -> dict[str, Any]:
+def _convert_in_child(
+    model_dir: Path, out_dir: Path, device: str, fold_dtype: str, import_from: Path | None = None
+) -> dict[str, Any]:
+    """One ``foldckpt convert --json`` in a fresh process, with foldckpt from ``import_from`` when
+    given (a baseline build), else this checkout's."""
     started = time.perf_counter()
     run = subprocess.run(
         [
             sys.executable,
             "-c",
             _CHILD,
+            str(import_from or ""),
             "convert",
             str(model_dir),
             str(out_dir),
@@ -335,6 +344,14 @@ def _projection(records: list[dict[str, Any]], rates: dict[str, float], copy_rat
     default=None,
     help="Scratch space, made if missing (default: the system temp dir).",
 )
+@click.option(
+    "--baseline",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="A folder holding another foldckpt build (pip install --target, or a checkout) to convert "
+    "with too, alternated with this one on the same files: a change's cost measured in one run.",
+)
+@click.option("--baseline-label", default=None, help="What the baseline is (a commit), for the JSON.")
 def main(
     mla_counts: tuple[int, ...],
     filler_per_layer: int,
@@ -343,6 +360,8 @@ def main(
     repeat: int,
     out: Path,
     workdir: Path | None,
+    baseline: Path | None,
+    baseline_label: str | None,
 ) -> None:
     if workdir is not None:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -354,7 +373,9 @@ def main(
         (scratch / "rate.bin").unlink()
         rates = _hash_rates()
         for count in mla_counts:
-            records.append(_measure(scratch, count, filler_per_layer, device, fold_dtype, repeat))
+            records.append(
+                _measure(scratch, count, filler_per_layer, device, fold_dtype, repeat, baseline, baseline_label)
+            )
             # after each count, so that a run cut short (a device's time limit) keeps what it measured
             _write_report(out, records, device, fold_dtype, filler_per_layer, rates, copy_rate)
     finally:
@@ -362,10 +383,39 @@ def main(
     click.echo(f"wrote {out}")
 
 
-def _measure(
-    scratch: Path, count: int, filler_per_layer: int, device: str, fold_dtype: str, repeat: int
+def _baseline_record(
+    runs: list[dict[str, Any]], baseline_runs: list[dict[str, Any]], baseline: Path, label: str | None
 ) -> dict[str, Any]:
-    """Convert a ``count``-layer checkpoint and measure the floor on its files, alternated."""
+    """The baseline build's runs next to this checkout's: the best of each, their ratio, and each
+    run against the baseline run right after it (neighbours saw the same machine)."""
+    best = min(baseline_runs, key=lambda run: run["wall_s"])
+    return {
+        "label": label or str(baseline),
+        "wall_s": best["wall_s"],
+        "convert_s": best["convert_s"],
+        "cpu_s": best["cpu_s"],
+        "stage_busy_s": best["stage_busy_s"],
+        "peak_rss_bytes": best["peak_rss_bytes"],
+        "all_wall_s": [run["wall_s"] for run in baseline_runs],
+        "wall_over_baseline": min(run["wall_s"] for run in runs) / best["wall_s"],
+        "paired_wall_over_baseline": [
+            run["wall_s"] / base["wall_s"] for run, base in zip(runs, baseline_runs, strict=True)
+        ],
+    }
+
+
+def _measure(
+    scratch: Path,
+    count: int,
+    filler_per_layer: int,
+    device: str,
+    fold_dtype: str,
+    repeat: int,
+    baseline: Path | None = None,
+    baseline_label: str | None = None,
+) -> dict[str, Any]:
+    """Convert a ``count``-layer checkpoint and measure the floor on its files, alternated (with the
+    ``baseline`` build's conversions too, when given)."""
     # Kimi-K3 layout: MLA every 4th layer; the last main layer is MLA too, plus one MTP layer.
     model_dir = make_checkpoint(
         scratch / f"k3-{count}", "kimi_k3", layers=4 * (count - 1), mtp_layers=1, shards=count, full_geometry=True
@@ -374,14 +424,23 @@ def _measure(
     sources = [p for p in model_dir.iterdir() if p.is_file()]
     source_bytes = sum(p.stat().st_size for p in sources)
     out_dir = scratch / f"k3-{count}-out"
-    runs, floors = [], []
-    for _ in range(repeat):  # alternated, so that both see the same machine; the best of each
+    runs, floors, baseline_runs = [], [], []
+
+    def cold_convert(import_from: Path | None) -> dict[str, Any]:
         cold = _evict(sources)
         _settle()
-        runs.append({**_convert_in_child(model_dir, out_dir, device, fold_dtype), "cold": cold})
+        run = {**_convert_in_child(model_dir, out_dir, device, fold_dtype, import_from), "cold": cold}
         shutil.rmtree(out_dir)
+        return run
+
+    for _ in range(repeat):  # alternated, so that all see the same machine; the best of each
+        runs.append(cold_convert(None))
+        if baseline is not None:
+            baseline_runs.append(cold_convert(baseline))
         floors.append(_io_floor(sources, runs[-1]["bytes_written"], scratch))
     result = dict(min(runs, key=lambda run: run["wall_s"]))
+    if baseline_runs:
+        result["baseline"] = _baseline_record(runs, baseline_runs, baseline, baseline_label)
     result["torch_start_s"] = _torch_start_s(device)
     written = result["bytes_written"]
     result.update(min(floors, key=lambda floor: floor["io_floor_s"]), source_bytes=source_bytes)
@@ -399,6 +458,9 @@ def _measure(
         f"{result['io_floor_s']:6.1f} s ({result['wall_over_floor']:.2f}x)  peak RSS "
         f"{result['peak_rss_bytes'] / 2**20:6.0f} MiB  copied {result['bytes_copied']} B"
     )
+    if "baseline" in result:
+        base = result["baseline"]
+        click.echo(f"    baseline {base['label']}: wall {base['wall_s']:6.1f} s ({base['wall_over_baseline']:.2f}x)")
     shutil.rmtree(model_dir)
     return result
 

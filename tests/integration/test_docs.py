@@ -599,6 +599,34 @@ def convert_table() -> list[str]:
     return _table(["run", "MLA layers", "wall", "I/O floor", "wall / floor (paired)", "peak RSS", "RSS growth"], rows)
 
 
+# Convert against the build before reproducible folds (commit dedcc93), alternated in the same runs
+# (bench_convert.py --baseline): what exact rounding costs. Budget: at most 15% more wall.
+CONVERT_VS_BASELINE_RUNS = (
+    ("convert_vs_baseline_amd_epyc.json", "2-core AMD EPYC VM, CPU fold"),
+    ("convert_vs_baseline_nvidia_h100_host_cpu.json", "16-core H100 host, CPU fold"),
+)
+CONVERT_BUDGET = 1.15
+
+
+def convert_vs_baseline_table() -> list[str]:
+    rows = []
+    for name, label in CONVERT_VS_BASELINE_RUNS:
+        record = max(_bench(name)["records"], key=lambda r: r["layers"])
+        base = record["baseline"]
+        ratio, paired = base["wall_over_baseline"], base["paired_wall_over_baseline"]
+        rows.append(
+            [
+                f"{label} (`{name}`)",
+                str(record["layers"]),
+                f"{record['wall_s']:.1f} s",
+                f"{base['wall_s']:.1f} s ({base['label']})",
+                f"{ratio:.2f}x ({min(paired):.2f}-{max(paired):.2f}): {_met(ratio <= CONVERT_BUDGET)}",
+                f"{record['cpu_s']:.1f} / {base['cpu_s']:.1f}",
+            ]
+        )
+    return _table(["run", "MLA layers", "wall", "baseline wall", "ratio (paired)", "CPU core-s"], rows)
+
+
 def verify_table() -> list[str]:
     results = _bench("verify.json")["results"]
     columns = (
@@ -655,6 +683,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "decode": decode_table,
     "routing": routing_table,
     "convert": convert_table,
+    "convert_vs_baseline": convert_vs_baseline_table,
     "verify": verify_table,
     "cli": cli_table,
     "accuracy": accuracy_table,
