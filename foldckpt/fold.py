@@ -412,10 +412,16 @@ class FoldErrorMeter:
         self._errors: dict[int, dict[str, float]] = {}  # head -> row group -> relative error
         self._max_abs = 0.0
 
-    def add(self, head: int, stored: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-        """Measure one head: its stored values ``[L+R, Lq]`` (and fp8 row scales ``[L+R]``)."""
-        q_nope, w_uk, reference, diff = self._workspace
-        _reference_head_into(reference, self._q_heads, self._kv_heads, head, q_nope, w_uk)
+    def add(
+        self, head: int, stored: torch.Tensor, scale: torch.Tensor | None = None, reference: torch.Tensor | None = None
+    ) -> None:
+        """Measure one head: its stored values ``[L+R, Lq]`` (and fp8 row scales ``[L+R]``) against
+        ``reference``, the head's fp64 fold, when the caller has it (``verify --deep`` makes it once
+        for this and for its element-wise checks), else against one made here."""
+        q_nope, w_uk, own, diff = self._workspace
+        if reference is None:
+            reference = own
+            _reference_head_into(reference, self._q_heads, self._kv_heads, head, q_nope, w_uk)
         diff.copy_(stored)
         if scale is not None:
             diff.mul_(scale.reshape(-1, 1))

@@ -322,12 +322,13 @@ def _sample_layers(count: int, sample: int | None) -> list[int]:
 
 
 def one_rounding_violations(
-    stored: Any, q_b: Any, kv_b: Any, geometry: Any, heads_per_chunk: int = 8
+    stored: Any, q_b: Any, kv_b: Any, geometry: Any, meter: Any = None, heads_per_chunk: int = 8
 ) -> tuple[int, float]:
     """Elements of a bf16/fp16/fp32 fold farther from the fp64 fold than one rounding allows: one
     ulp of the fold dtype at the fp64 value, plus twice the fp32 accumulation bound
     ``P·2⁻²⁴·(|W_UK|ᵀ|W_qb|)``. A fold accumulated in bf16, rounded twice, or (fp32) edited by a
-    few hundred ulps exceeds it. Returns (count, worst excess in ulps)."""
+    few hundred ulps exceeds it. Each head's fp64 fold also goes to ``meter``
+    (:class:`~foldckpt.fold.FoldErrorMeter`) when given. Returns (count, worst excess in ulps)."""
     import torch
 
     g = geometry
@@ -337,11 +338,11 @@ def one_rounding_violations(
     folds = stored.reshape(g.num_heads, g.fold_head_dim, g.q_lora_rank)
     eps = torch.finfo(stored.dtype).eps  # one ulp at 1.0
     count, worst = 0, 0.0
-    for start in range(0, g.num_heads, heads_per_chunk):
-        chunk = slice(start, start + heads_per_chunk)
+    for heads in _head_runs(g.num_heads, heads_per_chunk):
+        chunk = slice(heads[0], heads[-1] + 1)
+        exact = _measured_reference(q_b, kv_b, g, heads, folds, meter)[:, :lora]
         w_uk = kv_heads[chunk, :p].to(torch.float64)
         w_qb = q_heads[chunk, :p].to(torch.float64)
-        exact = torch.matmul(w_uk.transpose(1, 2), w_qb)
         bound = torch.matmul(w_uk.abs().transpose(1, 2), w_qb.abs()) * (2 * p * 2.0**-24)
         got = folds[chunk, :lora].to(torch.float64)
         magnitude = exact.abs().clamp(min=torch.finfo(stored.dtype).tiny)
@@ -353,24 +354,45 @@ def one_rounding_violations(
     return count, worst
 
 
+def _head_runs(num_heads: int, size: int) -> list[tuple[int, ...]]:
+    """The heads in runs of ``size`` (the last may be shorter)."""
+    return [tuple(range(start, min(start + size, num_heads))) for start in range(0, num_heads, size)]
+
+
+def _measured_reference(
+    q_b: Any, kv_b: Any, g: Any, heads: tuple[int, ...], folds: Any, meter: Any, scales: Any = None
+) -> Any:
+    """The fp64 fold of ``heads`` (``[n, L+R, Lq]``), each head also measured by ``meter`` when given
+    (the stored ``folds [H, L+R, Lq]``, with fp8 row ``scales [H, L+R]``)."""
+    from foldckpt.fold import reference_fold_heads
+
+    reference = reference_fold_heads(q_b, kv_b, g, heads)
+    if meter is not None:
+        for row, head in enumerate(heads):
+            meter.add(head, folds[head], None if scales is None else scales[head], reference[row])
+    return reference
+
+
 def fp8_rounding_violations(
-    values: Any, scale: Any, q_b: Any, kv_b: Any, geometry: Any, heads_per_chunk: int = 8
+    values: Any, scale: Any, q_b: Any, kv_b: Any, geometry: Any, meter: Any = None, heads_per_chunk: int = 8
 ) -> tuple[int, float]:
     """Rows and elements of an fp8 fold farther from the fp64 fold than one rounding allows: each
     row's scale within 2⁻¹⁶ (relative) of ``amax(|fp64 row|) / 448``, and each value within one e4m3
     ulp of ``fp64 / scale`` (half an ulp for the rounding, as much again for the fp32 accumulation
-    near a tie). Returns (count, worst distance in ulps)."""
+    near a tie). Each head's fp64 fold also goes to ``meter`` when given. Returns (count, worst
+    distance in ulps)."""
     import torch
 
-    from foldckpt.fold import FP8_MAX, reference_fold_heads
+    from foldckpt.fold import FP8_MAX
 
     g = geometry
     folds = values.reshape(g.num_heads, g.fold_head_dim, g.q_lora_rank)
-    scales = scale.reshape(g.num_heads, g.fold_head_dim).to(torch.float64)
+    stored_scales = scale.reshape(g.num_heads, g.fold_head_dim)
+    scales = stored_scales.to(torch.float64)
     count, worst = 0, 0.0
-    for start in range(0, g.num_heads, heads_per_chunk):
-        heads = tuple(range(start, min(start + heads_per_chunk, g.num_heads)))
-        exact = reference_fold_heads(q_b, kv_b, g, heads)  # [n, L+R, Lq] fp64
+    for heads in _head_runs(g.num_heads, heads_per_chunk):
+        start = heads[0]
+        exact = _measured_reference(q_b, kv_b, g, heads, folds, meter, stored_scales)  # [n, L+R, Lq] fp64
         amax = exact.abs().amax(dim=-1)
         expected = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
         row_scale = scales[start : start + len(heads)]
@@ -400,8 +422,8 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
     from foldckpt.defaults import fold_torch_dtype
     from foldckpt.fold import (
         ROUNDING_TOLERANCE,
+        FoldErrorMeter,
         accuracy_problem,
-        fold_error,
         fold_layer,
         fold_layer_fp8,
         probe_error,
@@ -426,7 +448,6 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
 
     bitwise, worst_error, worst_probe, worst_ulps, nonfinite_inputs = 0, 0.0, 0.0, 0.0, 0
     chosen = [plan.layers[i] for i in _sample_layers(len(plan.layers), options.sample)]
-    heads = tuple(range(geometry.num_heads))
     bar = progress_bar(len(chosen), "recomputing", "layer", options.progress)
     for layer in chosen:  # one layer's tensors in memory at a time
         bar.update(1)
@@ -504,16 +525,17 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
                         )
                     )
                 continue
-            measured = fold_error(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry, heads, scale)
+            # every head against fp64: one fp64 fold per head for the error and the element-wise checks
+            meter = FoldErrorMeter(inputs.q_b_proj, inputs.kv_b_proj, geometry)
+            if scale is not None:
+                off, ulps = fp8_rounding_violations(stored, scale, inputs.q_b_proj, inputs.kv_b_proj, geometry, meter)
+            else:
+                off, ulps = one_rounding_violations(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry, meter)
+            worst_ulps = max(worst_ulps, ulps)
+            measured = meter.result()
             error = measured.rel_fro_error
             probe = probe_error(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry, scale=scale)
             worst_error, worst_probe = max(worst_error, error), max(worst_probe, probe)
-            if scale is not None:
-                off, ulps = fp8_rounding_violations(stored, scale, inputs.q_b_proj, inputs.kv_b_proj, geometry)
-                worst_ulps = max(worst_ulps, ulps)
-            else:
-                off, ulps = one_rounding_violations(stored, inputs.q_b_proj, inputs.kv_b_proj, geometry)
-                worst_ulps = max(worst_ulps, ulps)
             inaccurate = accuracy_problem(measured, dtype)  # the rule convert refuses a fold by
             if not same or inaccurate is not None or not probe <= 2 * tolerance or off:  # NaN fails too
                 accuracy = inaccurate or f"relative error vs fp64 {error:.2e} in head {measured.worst_head}"
