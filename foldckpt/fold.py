@@ -88,15 +88,27 @@ def _exact_nope_rows(
     the chunk's ql_nope rows ``[n, L, Lq]`` (W_UKᵀ·W_qb_nope per head) into ``rows``: every element
     the exact value rounded once to ``rows``' dtype (:mod:`foldckpt.rounding`), computed on ``device``. A
     GPU gets each input in one copy (82 MB for a Kimi-K3 layer), not one per chunk: 24 small
-    synchronous copies a layer were most of a GPU fold's time."""
+    synchronous copies a layer were most of a GPU fold's time. And it folds all the layer's heads
+    in one call, at the first write (about 1.7 GB of GPU memory at the peak for Kimi-K3), each
+    chunk then copied from there: a call costs a hundred-odd kernel launches and several
+    synchronizations whatever its size, which, 24 times a layer, made the exact fold on an H100
+    slower than the fp32 fold before it (docs/bench/convert_vs_baseline_nvidia_h100.json, measured
+    since with one call)."""
     device = torch.device(device)
     q_heads, kv_heads = _per_head(q_b.to(device), kv_b.to(device), g)
     p = g.qk_nope_head_dim
     workspace = _workspace(device)
+    whole: list[torch.Tensor] = []  # a GPU's fold of every head, made at the first write
 
     def into(chunk: slice) -> Callable[[torch.Tensor], None]:
         def write(rows: torch.Tensor) -> None:
-            round_exact_products_into(rows, kv_heads[chunk, :p], q_heads[chunk, :p], workspace)
+            if device.type == "cpu":
+                round_exact_products_into(rows, kv_heads[chunk, :p], q_heads[chunk, :p], workspace)
+                return
+            if not whole:
+                whole.append(torch.empty((g.num_heads, *rows.shape[1:]), dtype=rows.dtype, device=device))
+                round_exact_products_into(whole[0], kv_heads[:, :p], q_heads[:, :p], workspace)
+            rows.copy_(whole[0][chunk])
 
         return write
 

@@ -604,6 +604,7 @@ def convert_table() -> list[str]:
 CONVERT_VS_BASELINE_RUNS = (
     ("convert_vs_baseline_amd_epyc.json", "2-core AMD EPYC VM, CPU fold"),
     ("convert_vs_baseline_nvidia_h100_host_cpu.json", "16-core H100 host, CPU fold"),
+    ("convert_vs_baseline_nvidia_h100.json", "16-core H100 host, `--device cuda`"),
 )
 CONVERT_BUDGET = 1.15
 
@@ -622,9 +623,11 @@ def convert_vs_baseline_table() -> list[str]:
                 f"{base['wall_s']:.1f} s ({base['label']})",
                 f"{ratio:.2f}x ({min(paired):.2f}-{max(paired):.2f}): {_met(ratio <= CONVERT_BUDGET)}",
                 f"{record['cpu_s']:.1f} / {base['cpu_s']:.1f}",
+                f"{record['peak_rss_bytes'] / 2**20:.0f} / {base['peak_rss_bytes'] / 2**20:.0f} MiB",
             ]
         )
-    return _table(["run", "MLA layers", "wall", "baseline wall", "ratio (paired)", "CPU core-s"], rows)
+    header = ["run", "MLA layers", "wall", "baseline wall", "ratio (paired)", "CPU core-s", "peak RSS"]
+    return _table(header, rows)
 
 
 def verify_table() -> list[str]:

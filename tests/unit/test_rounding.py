@@ -254,22 +254,26 @@ def _adversarial_head(kind: str, p: int, lora: int, cols: int, generator: torch.
     return a, b
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
 def test_every_element_of_adversarial_heads_is_its_exact_value_rounded_once(
-    out_dtype: torch.dtype, in_dtype: torch.dtype
+    out_dtype: torch.dtype, in_dtype: torch.dtype, device: str
 ) -> None:
     """Heads of every kind of :func:`_adversarial_head` in one call, each element against its
-    Fraction sum rounded once. Kills: no boundary test in the bulk certificate (the ±2^-50 terms),
-    no small-value test (the cancelling ±2^60 products), and any rounding of an fp64 or fp32 sum
-    as it is."""
+    Fraction sum rounded once, computed on the CPU and on a GPU (its GEMMs and reductions, its
+    int16 views). Kills: no boundary test in the bulk certificate (the ±2^-50 terms), no
+    small-value test (the cancelling ±2^60 products), and any rounding of an fp64 or fp32 sum as
+    it is."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     kinds = ("ties", "off_ties", "wide", "subnormal", "cancel", "zeros")
     generator = torch.Generator().manual_seed(7)
     heads = [_adversarial_head(kind, 16, 24, 40, generator) for kind in kinds]
     a_t = torch.stack([a for a, _ in heads]).to(in_dtype)
     b = torch.stack([b for _, b in heads]).to(in_dtype)
     out = torch.empty(len(kinds), 24, 40, dtype=out_dtype)
-    round_exact_products_into(out, a_t, b, {})
+    round_exact_products_into(out, a_t.to(device), b.to(device), {})
     a_exact, b_exact = a_t.double().tolist(), b.double().tolist()
     for head, kind in enumerate(kinds):
         for row in range(24):
