@@ -181,7 +181,9 @@ def quantize_fp8_rows(exact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     exact = exact.to(torch.float32)
     amax = exact.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # divided by a tensor of 448s: torch's CUDA kernels multiply by the reciprocal of a Python
+    # number instead, which rounds half of all quotients differently from the CPU's division
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     scaled = (exact / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
     return scaled.to(torch.float8_e4m3fn), scale
 

@@ -14,6 +14,7 @@ from foldckpt.fold import (
     fold_error,
     fold_layer,
     probe_error,
+    quantize_fp8_rows,
     sample_heads,
     underflow_suspects,
 )
@@ -269,3 +270,20 @@ def test_a_fold_is_proved_finite_only_where_no_sum_can_overflow(fold_dtype: str,
     assert bool(torch.isfinite(fold).all()) is not overflows  # what the skipped scan would have found
     assert inputs.fold_cannot_overflow(g, fold_dtype) is not overflows
     assert not replace(inputs, q_b_abs_max=float("nan")).fold_cannot_overflow(g, fold_dtype)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp8_row_scales_are_the_row_maximum_divided_by_448_rounded_once(device: str) -> None:
+    """Each row's scale is ``amax / 448`` correctly rounded to fp32 on any device (an fp64 quotient
+    of fp32 values rounded to fp32 is: 53 >= 2·24 + 2 bits), and each value ``exact / scale``
+    rounded once to e4m3. Kills a multiplication by the reciprocal of 448, which rounds about half
+    of the quotients the other way, and which torch's CUDA kernels substitute for a division by a
+    Python number: a GPU-folded fp8 checkpoint then differed from the CPU's."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    exact = torch.randn(64, 96, generator=torch.Generator().manual_seed(3)) * 7
+    values, scale = quantize_fp8_rows(exact.to(device))
+    expected_scale = (exact.double().abs().amax(-1) / 448).float()
+    assert torch.equal(scale.cpu().view(torch.int32), expected_scale.view(torch.int32))
+    expected = (exact.double() / expected_scale.double().unsqueeze(-1)).float().clamp(-448, 448)
+    assert torch.equal(values.cpu().view(torch.uint8), expected.to(torch.float8_e4m3fn).view(torch.uint8))
