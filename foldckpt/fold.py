@@ -76,9 +76,9 @@ def _per_head(q_b: torch.Tensor, kv_b: torch.Tensor, g: Geometry) -> tuple[torch
     )
 
 
-def _head_chunks(num_heads: int) -> Iterator[slice]:
-    """The heads in runs of ``_HEADS_PER_CHUNK`` (the last may be shorter)."""
-    return (slice(start, min(start + _HEADS_PER_CHUNK, num_heads)) for start in range(0, num_heads, _HEADS_PER_CHUNK))
+def head_chunks(num_heads: int, size: int = _HEADS_PER_CHUNK) -> Iterator[slice]:
+    """The heads in runs of ``size`` (the last may be shorter)."""
+    return (slice(start, min(start + size, num_heads)) for start in range(0, num_heads, size))
 
 
 def _exact_nope_rows(
@@ -112,7 +112,7 @@ def _exact_nope_rows(
 
         return write
 
-    for chunk in _head_chunks(g.num_heads):
+    for chunk in head_chunks(g.num_heads):
         yield chunk, into(chunk)
 
 

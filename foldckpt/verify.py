@@ -331,6 +331,8 @@ def one_rounding_violations(
     (:class:`~foldckpt.fold.FoldErrorMeter`) when given. Returns (count, worst excess in ulps)."""
     import torch
 
+    from foldckpt.fold import head_chunks
+
     g = geometry
     p, lora = g.qk_nope_head_dim, g.kv_lora_rank
     q_heads = q_b.reshape(g.num_heads, p + g.qk_rope_head_dim, g.q_lora_rank)
@@ -338,9 +340,8 @@ def one_rounding_violations(
     folds = stored.reshape(g.num_heads, g.fold_head_dim, g.q_lora_rank)
     eps = torch.finfo(stored.dtype).eps  # one ulp at 1.0
     count, worst = 0, 0.0
-    for heads in _head_runs(g.num_heads, heads_per_chunk):
-        chunk = slice(heads[0], heads[-1] + 1)
-        exact = _measured_reference(q_b, kv_b, g, heads, folds, meter)[:, :lora]
+    for chunk in head_chunks(g.num_heads, heads_per_chunk):
+        exact = _measured_reference(q_b, kv_b, g, chunk, folds, meter)[:, :lora]
         w_uk = kv_heads[chunk, :p].to(torch.float64)
         w_qb = q_heads[chunk, :p].to(torch.float64)
         bound = torch.matmul(w_uk.abs().transpose(1, 2), w_qb.abs()) * (2 * p * 2.0**-24)
@@ -354,18 +355,12 @@ def one_rounding_violations(
     return count, worst
 
 
-def _head_runs(num_heads: int, size: int) -> list[tuple[int, ...]]:
-    """The heads in runs of ``size`` (the last may be shorter)."""
-    return [tuple(range(start, min(start + size, num_heads))) for start in range(0, num_heads, size)]
-
-
-def _measured_reference(
-    q_b: Any, kv_b: Any, g: Any, heads: tuple[int, ...], folds: Any, meter: Any, scales: Any = None
-) -> Any:
-    """The fp64 fold of ``heads`` (``[n, L+R, Lq]``), each head also measured by ``meter`` when given
-    (the stored ``folds [H, L+R, Lq]``, with fp8 row ``scales [H, L+R]``)."""
+def _measured_reference(q_b: Any, kv_b: Any, g: Any, chunk: slice, folds: Any, meter: Any, scales: Any = None) -> Any:
+    """The fp64 fold of the heads of ``chunk`` (``[n, L+R, Lq]``), each head also measured by ``meter``
+    when given (the stored ``folds [H, L+R, Lq]``, with fp8 row ``scales [H, L+R]``)."""
     from foldckpt.fold import reference_fold_heads
 
+    heads = tuple(range(chunk.start, chunk.stop))
     reference = reference_fold_heads(q_b, kv_b, g, heads)
     if meter is not None:
         for row, head in enumerate(heads):
@@ -383,24 +378,23 @@ def fp8_rounding_violations(
     distance in ulps)."""
     import torch
 
-    from foldckpt.fold import FP8_MAX
+    from foldckpt.fold import FP8_MAX, head_chunks
 
     g = geometry
     folds = values.reshape(g.num_heads, g.fold_head_dim, g.q_lora_rank)
     stored_scales = scale.reshape(g.num_heads, g.fold_head_dim)
     scales = stored_scales.to(torch.float64)
     count, worst = 0, 0.0
-    for heads in _head_runs(g.num_heads, heads_per_chunk):
-        start = heads[0]
-        exact = _measured_reference(q_b, kv_b, g, heads, folds, meter, stored_scales)  # [n, L+R, Lq] fp64
+    for chunk in head_chunks(g.num_heads, heads_per_chunk):
+        exact = _measured_reference(q_b, kv_b, g, chunk, folds, meter, stored_scales)  # [n, L+R, Lq] fp64
         amax = exact.abs().amax(dim=-1)
         expected = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        row_scale = scales[start : start + len(heads)]
+        row_scale = scales[chunk]
         count += int(((row_scale - expected).abs() > 2.0**-16 * expected).sum().item())
         target = exact / row_scale.unsqueeze(-1)
         # e4m3: 3 mantissa bits; normals from 2^-6, subnormal spacing 2^-9
         ulp = torch.exp2(torch.floor(torch.log2(target.abs().clamp(min=2.0**-6))) - 3)
-        distance = (folds[start : start + len(heads)].to(torch.float64) - target).abs() / ulp
+        distance = (folds[chunk].to(torch.float64) - target).abs() / ulp
         count += int((distance > 1).sum().item())
         worst = max(worst, float(distance.max().item()) if distance.numel() else 0.0)
     return count, worst
