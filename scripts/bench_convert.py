@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from bench_machine import machine
+from bench_machine import commit, machine
 
 from foldckpt import __version__
 from foldckpt.io.direct_io import DurableAppender, open_direct, read_direct
@@ -478,6 +478,7 @@ def _write_report(
     report = {
         "benchmark": "convert",
         "tool_version": __version__,
+        "commit": commit(),
         "machine": machine(),
         "device": device,
         "fold_dtype": fold_dtype,

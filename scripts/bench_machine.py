@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import ssl
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -36,3 +37,14 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+def commit() -> str:
+    """The commit this checkout is at (short), or what the ``GPU_COMMIT`` file of a device copy (a
+    tree without its .git) names, else "unknown": a figure is only worth what it measured."""
+    repo = Path(__file__).resolve().parent.parent
+    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
+    if run.returncode == 0:
+        return run.stdout.strip()
+    marker = repo / "GPU_COMMIT"
+    return marker.read_text().strip() if marker.exists() else "unknown"
