@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU suite on the GPU machine, in one device call (at most 10 minutes) or in named parts:
 #   source .vl/unpack.sh && bash scripts/gpu_tests.sh [all | kernels | engine | bench]...
-# kernels: tests/gpu (fold kernels, fp8, convert --device cuda); engine: tests/gpu/engine (real vLLM
-# engines, stock vs plugin, side by side); bench: scripts/bench_engine.py. "all" runs the kernel
-# tests beside the engine tests (they share the GPU; neither times anything), then the benchmark
-# with the time left. What docs/bench keeps lands in $OUT (the device returns it):
-# gpu_tests_<gpu>.txt, gpu_engine_tests_<gpu>.txt, engine_<gpu>.json, plus the engine logs (tgz).
+# kernels: tests/gpu (fold kernels, fp8, convert --device cuda) and tests/unit's cuda parameters (the
+# exact fold and rounding on a GPU); engine: tests/gpu/engine (real vLLM engines, stock vs plugin,
+# side by side); bench: scripts/bench_engine.py. "all" runs the kernel tests beside the engine tests
+# (they share the GPU; neither times anything), then the benchmark with the time left. What
+# docs/bench keeps lands in $OUT (the device returns it): gpu_tests_<gpu>.txt,
+# gpu_engine_tests_<gpu>.txt, engine_<gpu>.json, plus the engine logs (tgz).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_tests_out}
@@ -20,7 +21,7 @@ has() { [[ " $parts " == *" $1 "* || " $parts " == *" all "* ]]; }
 status=0
 
 if has kernels; then
-  { echo "# $HEADER"; timeout 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu --ignore=tests/gpu/engine 2>&1; } \
+  { echo "# $HEADER"; timeout 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu tests/unit --ignore=tests/gpu/engine 2>&1; } \
     > "$OUT/gpu_tests_$GPU.txt" &
   kernels_pid=$!
 fi
