@@ -31,7 +31,15 @@ import torch
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.format.manifest import read_manifest
 from foldckpt.model.synthetic import FA3_TINY_DIMS, make_checkpoint
-from tests.e2e.harness import MAX_MODEL_LEN, PROMPTS, engine_env, openai_server, post_json, run_job, wait_healthy
+from tests.e2e.harness import (
+    PROMPTS,
+    engine_env,
+    engine_spec,
+    openai_server,
+    post_json,
+    run_job,
+    wait_healthy,
+)
 
 PARALLEL = int(os.environ.get("FOLDCKPT_GPU_ENGINES", "10"))
 JOB_TIMEOUT_S = float(os.environ.get("FOLDCKPT_GPU_ENGINE_TIMEOUT", "400"))
@@ -213,21 +221,16 @@ def spec_of(job: Job, model_dir: Path) -> dict[str, Any]:
     eager, compilation = MODES[job.mode]
     dtype = "float32" if job.model == "ds-fp32" else "bfloat16"
     options = {"gpu_memory_utilization": 0.08, "kv_cache_memory_bytes": KV_CACHE_BYTES, **job.options}
-    prompts = SHORT_PROMPTS if job.prompts == "short" else LONG_PROMPTS
-    return {
-        "model": str(model_dir),
-        "dtype": dtype,
-        "eager": eager,
-        "compilation_config": compilation,
-        "attention_backend": job.backend,
-        "max_model_len": MAX_MODEL_LEN,
-        "prompts": prompts,
-        "max_tokens": MAX_TOKENS,
-        "logprobs": LOGPROBS,
-        "tensor_parallel_size": 1,
-        "engine_options": options,
-        **job.spec,
-    }
+    extra = {"compilation_config": compilation, "attention_backend": job.backend, "engine_options": options}
+    return engine_spec(
+        model_dir,
+        dtype,
+        eager=eager,
+        logprobs=LOGPROBS,
+        prompts=SHORT_PROMPTS if job.prompts == "short" else LONG_PROMPTS,
+        max_tokens=MAX_TOKENS,
+        spec_extra={**extra, **job.spec},
+    )
 
 
 def run_one(workdir: Path, root: Path, name: str) -> JobResult:
