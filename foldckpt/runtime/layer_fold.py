@@ -143,10 +143,11 @@ def specialized_decode_requested() -> bool:
 
 
 def _current_build(fold_set: FoldSet) -> FoldBuild:
-    """The build of the model now being constructed (a new vLLM config starts a new one)."""
+    """The build of the model now being constructed: a new vLLM config, or a layer built once the
+    last build has loaded all its folds, starts a new one."""
     global _build
     vllm_config = get_current_vllm_config()
-    if _build is None or _build.vllm_config is not vllm_config or _build.fold_set is not fold_set:
+    if _build is None or _build.loaded_all or _build.vllm_config is not vllm_config or _build.fold_set is not fold_set:
         _build = FoldBuild(fold_set, vllm_config)
     return _build
 

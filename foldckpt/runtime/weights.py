@@ -48,6 +48,14 @@ class FoldBuild:
     loaded: list[MLALayer] = field(default_factory=list)
     unfolded_logged: bool = False
 
+    @property
+    def loaded_all(self) -> bool:
+        """Every layer this build folded has its weight (and the build's log line is out). vLLM
+        builds all of a model's layers before it loads any weight, so a layer built after that
+        belongs to another model: the MTP draft, which vLLM's GPU runner builds under the
+        target's config."""
+        return self.built > 0 and len(self.loaded) == self.built
+
     def layer_loaded(self, layer: MLALayer, route: Route, computed: str, decode_rope: str) -> None:
         self.loaded.append(layer)
         tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()

