@@ -43,6 +43,13 @@ ROUNDING_TOLERANCE: dict[torch.dtype, float] = {
     # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 relative; scaled rows use the top binades.
     torch.float8_e4m3fn: 2.0**-4,
 }
+# Significant digits of the error figures the manifest records (:meth:`FoldError.to_dict`). Why
+# not all 17: the fp64 fold they are measured against is a BLAS GEMM whose last bits depend on the
+# CPU's code path (MKL's AVX-512 and AVX2 kernels differ by about 1e-15 relative), and the manifest
+# must be the same bytes on every machine. Four digits say what the figures are for and lie far
+# above that noise.
+RECORDED_ERROR_DIGITS = 4
+
 # The share of that tolerance which values below the fold dtype's normal range may cost a head
 # before convert measures the head against fp64 (:func:`underflow_suspects`).
 _UNDERFLOW_SHARE = 1 / 8
@@ -318,16 +325,22 @@ class FoldError:
         return max(self.rows, key=lambda part: nan_last(self.rows[part]))
 
     def to_dict(self) -> dict[str, object]:
-        """As the manifest records it (NaN, the error of a fold of NaN inputs, as null)."""
+        """As the manifest records it: each figure to :data:`RECORDED_ERROR_DIGITS` significant
+        digits, NaN (the error of a fold of NaN inputs) as null."""
         return json_safe(
             {
                 "heads": list(self.heads),
-                "rel_fro_error": self.rel_fro_error,
-                "rel_fro_error_rows": dict(self.rows),
+                "rel_fro_error": _recorded(self.rel_fro_error),
+                "rel_fro_error_rows": {part: _recorded(error) for part, error in self.rows.items()},
                 "worst_head": self.worst_head,
-                "max_abs_error": self.max_abs_error,
+                "max_abs_error": _recorded(self.max_abs_error),
             }
         )
+
+
+def _recorded(figure: float) -> float:
+    """``figure`` to :data:`RECORDED_ERROR_DIGITS` significant digits (NaN and infinities kept)."""
+    return float(f"{figure:.{RECORDED_ERROR_DIGITS}g}")
 
 
 def within_one_rounding(rel_error: float, dtype: torch.dtype) -> bool:

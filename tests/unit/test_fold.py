@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import (
     ROUNDING_TOLERANCE,
+    FoldError,
     dequantize_fp8_blocks,
     fold_error,
     fold_layer,
@@ -135,6 +137,24 @@ def test_fold_error_is_its_definition_from_call_to_call_and_geometry_to_geometry
                     max_abs, rel=1e-9
                 )
                 assert rows["ql_nope"] > 1e-4 and rows["q_pe"] > 1e-4  # the noise is seen in both groups
+
+
+def test_the_recorded_error_figures_do_not_move_with_the_last_bits_of_the_fp64_fold() -> None:
+    """What the manifest records of a fold's error, to 4 significant digits: the figures one fp8
+    fold gave on one Intel CPU through MKL's AVX-512 and its AVX2 path (fp64 folds a few ulps
+    apart) must record the same, or the manifest's sha256 depends on the machine; NaN is null."""
+    avx512 = FoldError((0, 2), 0.02707483563067706, 0.0146484375, {"ql_nope": 0.025223274586101217}, 2)
+    avx2 = FoldError((0, 2), 0.027074835630677058, 0.014648437500000002, {"ql_nope": 0.025223274586101237}, 2)
+    recorded = {
+        "heads": [0, 2],
+        "rel_fro_error": 0.02707,
+        "rel_fro_error_rows": {"ql_nope": 0.02522},
+        "worst_head": 2,
+        "max_abs_error": 0.01465,
+    }
+    assert avx512.to_dict() == avx2.to_dict() == recorded
+    nan = FoldError((0,), math.nan, math.nan, {"ql_nope": math.nan, "q_pe": 2.5278295125998895e-08}, 0).to_dict()
+    assert nan["rel_fro_error"] is None and nan["rel_fro_error_rows"] == {"ql_nope": None, "q_pe": 2.528e-08}
 
 
 def test_fold_error_measures_the_ql_nope_and_q_pe_rows_apart() -> None:
