@@ -13,7 +13,8 @@ W_UK. The threshold is never guessed; in order of precedence it is (``Route.sour
   and the threshold is ``tuning.decide_fold_max_tokens`` of those timings, the tuner's own rule.
   The timings are cached on disk per (GPU, driver, torch, triton, foldckpt, shape, dtype), so a
   later start reads them ("cached") instead of measuring; a cache file that does not parse or
-  disagrees with its key is ignored and measured again;
+  disagrees with its key, or that ``foldckpt.runtime.cache`` does not trust (not a regular file of
+  this user's, too large, in a folder others can write), is ignored and measured again;
 - "off": ``FOLDCKPT_AUTOTUNE=0`` and no table entry: no measurement, so no fold (served unfolded).
 
 :func:`fold_route` may measure, so call it before CUDA graph capture, where vLLM has the GPU
@@ -29,7 +30,6 @@ import logging
 import math
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -42,6 +42,7 @@ import foldckpt
 from foldckpt.defaults import env_switch
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import quantize_fp8_rows
+from foldckpt.runtime.cache import CacheDefect, cache_dir, driver_version, read_entry, write_entry
 from foldckpt.runtime.kernels.device import gpu_key
 from foldckpt.runtime.kernels.dispatch import fold_gemm, warmup_fold_gemm
 from foldckpt.runtime.kernels.reference import MlaDims, unfolded_query
@@ -84,6 +85,8 @@ STARTUP_GRID_M = (1, 2, 4, 8, 16, 32, 64, 128, TRITON_MAX_M)
 STARTUP_ROUNDS = 3
 # Bumped when the cache file's layout changes: older files then miss their key and are re-measured.
 CACHE_SCHEMA = 1
+# A routing cache file holds a key and a dozen points: anything much larger is not one.
+CACHE_MAX_BYTES = 64 * 1024
 
 Source = Literal["env", "cpu", "table", "measured", "cached", "off"]
 # (M, fold µs, unfolded µs), ascending M: what ``decide_fold_max_tokens`` reads.
@@ -128,27 +131,10 @@ def autotune_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     )
 
 
-def cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
-    """``$XDG_CACHE_HOME/foldckpt``, or ``~/.cache/foldckpt`` (the XDG spec ignores a relative value)."""
-    base = environ.get("XDG_CACHE_HOME", "")
-    root = Path(base) if base and Path(base).is_absolute() else Path.home() / ".cache"
-    return root / "foldckpt"
-
-
 def cache_path(key: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> Path:
     """The cache file of ``key`` (a digest of it names the file; the file holds the key itself)."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     return cache_dir(environ) / f"route-{digest}.json"
-
-
-def _driver_version() -> str:
-    """The kernel driver's version (NVIDIA or amdgpu), from the file the driver publishes."""
-    for path in ("/proc/driver/nvidia/version", "/sys/module/amdgpu/version"):
-        try:
-            return Path(path).read_text(encoding="utf-8").splitlines()[0].strip()
-        except (OSError, IndexError):
-            continue
-    return "unknown"
 
 
 def _triton_version() -> str:
@@ -164,7 +150,7 @@ def measurement_key(dims: MlaDims, device: torch.device, weight_dtype: torch.dty
     return {
         "schema": CACHE_SCHEMA,
         "device_name": torch.cuda.get_device_name(device),
-        "driver": _driver_version(),
+        "driver": driver_version(),
         "torch": torch.__version__,
         "triton": _triton_version(),
         "foldckpt": foldckpt.__version__,
@@ -196,46 +182,39 @@ def _valid_points(raw: object) -> list[Point]:
 
 
 def read_cached_points(path: Path, key: Mapping[str, Any]) -> list[Point] | None:
-    """The timings cached at ``path`` for ``key``, or None: missing, or not trusted (does not parse,
-    was measured under another key, or its threshold is not the one its timings give), which is
-    logged and then measured again."""
+    """The timings cached at ``path`` for ``key``, or None: missing, or not trusted (a file or folder
+    ``foldckpt.runtime.cache`` refuses, or one that does not parse, was measured under another key,
+    or whose threshold is not the one its timings give), which is logged in one line and then
+    measured again."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        logger.warning("foldckpt: cannot read the routing cache %s (%s); measuring again", path, exc)
-        return None
-    try:
-        doc = json.loads(text)
+        raw = read_entry(path, CACHE_MAX_BYTES)
+        if raw is None:
+            return None
+        doc = json.loads(raw.decode("utf-8"))
         if not isinstance(doc, dict) or doc.get("key") != dict(key):
             raise ValueError("measured under another key")
         points = _valid_points(doc.get("points"))
         if doc.get("fold_max_tokens") != decide_fold_max_tokens(points):
             raise ValueError(f"fold_max_tokens {doc.get('fold_max_tokens')!r} is not what its timings give")
-    except ValueError as exc:  # json.JSONDecodeError is a ValueError
-        logger.warning("foldckpt: ignoring the routing cache %s (%s); measuring again", path, exc)
+    # ValueError covers json.JSONDecodeError and UnicodeDecodeError; RecursionError, deep nesting.
+    except (CacheDefect, ValueError, RecursionError) as exc:
+        logger.warning("foldckpt: ignoring the routing cache %s (%s); measuring again", path, _reason(exc))
         return None
     return points
 
 
+def _reason(exc: BaseException) -> str:
+    return "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+
+
 def write_cached_points(path: Path, key: Mapping[str, Any], points: list[Point]) -> bool:
-    """Write the timings for ``key`` to ``path`` atomically (a temporary file in the same folder,
-    then renamed over it: concurrent ranks of one host measuring the same key never leave half a
-    file). False, and a warning, where the cache folder is not writable: the threshold still holds."""
+    """Write the timings for ``key`` to ``path`` (``foldckpt.runtime.cache.write_entry``: atomic, so
+    concurrent ranks of one host measuring the same key never leave half a file). False, and a
+    warning, where the cache folder is not trusted or not writable: the threshold still holds."""
     doc = {"key": dict(key), "fold_max_tokens": decide_fold_max_tokens(points), "points": [list(p) for p in points]}
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+        write_entry(path, json.dumps(doc, indent=1).encode())
+    except CacheDefect as exc:
         logger.warning("foldckpt: cannot write the routing cache %s (%s); the next start measures again", path, exc)
         return False
     return True
