@@ -3,7 +3,8 @@
 Read from the source with ``ast`` (every ``import``, top level or inside a function): the core
 modules' third-party imports must be exactly the core dependencies; ``foldckpt.model.synthetic`` may add
 the ``synthetic`` extra; ``foldckpt.runtime`` (the vLLM plugin) may add vLLM and what GPU builds
-of torch bring (triton) or ROCm images ship (aiter).
+of torch bring (triton; nvidia, the namespace of the CUDA wheels such as nvidia-cuda-nvrtc) or ROCm
+images ship (aiter).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from tests.conftest import REPO
 PACKAGE = REPO / "foldckpt"
 # import name -> distribution name, where they differ
 DISTRIBUTIONS = {"huggingface_hub": "huggingface-hub"}
-RUNTIME_PROVIDED = {"triton", "aiter"}  # GPU torch builds (pytorch-triton) and ROCm images ship these
+# GPU torch builds (pytorch-triton, the nvidia-* CUDA wheels) and ROCm images (aiter) ship these.
+RUNTIME_PROVIDED = {"triton", "nvidia", "aiter"}
 
 
 def third_party_imports(paths: list[Path]) -> set[str]:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from foldckpt.defaults import env_switch
 from foldckpt.runtime.kernels.device import gpu_key
 from foldckpt.runtime.kernels.rope import QueryRope, rope_query_torch
 from foldckpt.runtime.kernels.tuning import (
@@ -42,6 +43,7 @@ from foldckpt.runtime.kernels.tuning import (
     TRITON_MAX_M,
     KernelConfig,
     SkinnyConfig,
+    bucket_backend,
     is_fp8_weight,
     kernel_config_for,
     load_table,
@@ -53,6 +55,8 @@ __all__ = ["fold_gemm", "fold_query", "rope_query", "torch_gemm", "warmup_fold_g
 logger = logging.getLogger(__name__)
 
 _TRITON_DTYPES = (torch.bfloat16, torch.float16)
+# On/off switch of the CUDA kernels the tables choose (on by default; off: their buckets run Triton).
+CUDA_KERNELS_ENV = "FOLDCKPT_CUDA_KERNELS"
 
 
 @functools.lru_cache(maxsize=1)
@@ -76,6 +80,17 @@ def _triton_module():  # noqa: ANN202 - the module type is only known once trito
         logger.info("foldckpt: Triton unavailable (%s); the fold GEMM uses torch", exc)
         return None
     return triton_gemm
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_fp8_module():  # noqa: ANN202 - as _triton_module
+    """The Hopper fp8 kernel's module (ctypes only: it imports anywhere), or None where
+    ``FOLDCKPT_CUDA_KERNELS=0`` turns it off."""
+    if not env_switch(CUDA_KERNELS_ENV, True, "use the CUDA kernels the tables chose", "use Triton instead"):
+        return None
+    from foldckpt.runtime.kernels import cuda_fp8
+
+    return cuda_fp8
 
 
 @functools.lru_cache(maxsize=1)
@@ -112,6 +127,46 @@ def fp8_fold_runs_as_fp8(device: torch.device) -> bool:
     e4m3fn (NVIDIA sm_89+, ROCm gfx950). Elsewhere (CPU, older GPUs, no Triton) the plugin
     dequantizes it at load, since the torch fallback would dequantize on every step."""
     return device.type == "cuda" and _triton_module() is not None and _fp8_triton_device(_device_index(device))
+
+
+def _cuda_fp8_ready(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, scale: torch.Tensor):  # noqa: ANN202
+    """The fp8 Hopper kernel's module where the table chose it for this call and it takes these
+    operands and can run on this GPU, else None (the bucket's Triton config then serves)."""
+    m, k = x.shape
+    if bucket_backend(gpu_key(x.device), weight.shape[0], k, m, weight.dtype) != "cuda":
+        return None
+    module = _cuda_fp8_module()
+    if module is None or not module.supports(x, weight, out, scale) or not module.runs_on(x.device):
+        return None
+    if torch.cuda.is_current_stream_capturing() and not module.is_loaded(x, weight):
+        warnings.warn(
+            "fold_gemm: captured before warmup_fold_gemm loaded the CUDA fp8 kernel for this batch size; "
+            "using Triton for it. Call warmup_fold_gemm(weight, max_m, scale) before graph capture.",
+            stacklevel=4,
+        )
+        return None
+    return module
+
+
+def _run_cuda_fp8(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, scale: torch.Tensor
+) -> torch.Tensor | None:
+    """The fp8 fold through the Hopper kernel where ``_cuda_fp8_ready``; None where it cannot run
+    (then, once, a warning), so that the caller's Triton path serves."""
+    module = _cuda_fp8_ready(x, weight, out, scale)
+    if module is None:
+        return None
+    try:
+        with torch.cuda.device(x.device):
+            return module.launch(x, weight, scale, out)
+    except module.KernelUnavailable as exc:
+        _warn_cuda_unavailable(str(exc))
+        return None
+
+
+@functools.cache
+def _warn_cuda_unavailable(reason: str) -> None:
+    logger.warning("foldckpt: the CUDA fp8 fold kernel cannot run (%s); using Triton", reason)
 
 
 def _triton_config(x: torch.Tensor, weight: torch.Tensor) -> KernelConfig | SkinnyConfig | None:
@@ -239,6 +294,10 @@ def fold_gemm(
         aiter_gemm = _aiter_gemm() if scale is None else None
         if aiter_gemm is not None:
             return aiter_gemm(x, weight, dtype=x.dtype, y=out)
+        if scale is not None:
+            y = _run_cuda_fp8(x, weight, out, scale)
+            if y is not None:
+                return y
         cfg = _triton_config(x, weight)
         if cfg is not None:
             y = _run_triton(x, weight, out, cfg, scale=scale)
@@ -269,12 +328,15 @@ def fold_query(
 
     One launch where the table's bucket for this batch chose the tiled Triton kernel and measured
     its RoPE epilogue faster (``rope_epilogue``); otherwise ``fold_gemm`` (whichever backend the
-    table chose: tiled, skinny or torch) and then ``rope_query``. vLLM's decode query takes three
+    table chose: tiled, skinny, the fp8 Hopper kernel or torch) and then ``rope_query``. vLLM's decode query takes three
     (q_b_proj, RoPE, W_UK bmm).
     """
     _check_shapes(x, weight, None, scale)
     rope.check(x.shape[0], weight.shape[0])
-    if x.device.type == "cuda" and x.shape[0] > 0 and (_aiter_gemm() is None or scale is not None):
+    on_gpu = x.device.type == "cuda" and x.shape[0] > 0
+    # A bucket of the fp8 Hopper kernel runs it and then the RoPE kernel (it has no RoPE epilogue).
+    cuda = on_gpu and scale is not None and _cuda_fp8_ready(x, weight, None, scale) is not None
+    if on_gpu and not cuda and (_aiter_gemm() is None or scale is not None):
         cfg = _triton_config(x, weight)
         # The skinny kernel has no RoPE epilogue: its buckets take fold_gemm + rope_query below.
         fused = isinstance(cfg, KernelConfig) and cfg.rope_epilogue
@@ -299,6 +361,9 @@ def _warm_ms(weight: torch.Tensor, max_m: int) -> list[int]:
         ms.update(min(b.m_max, max_m) for b in entry.buckets)
         lo = 0
         for bucket in entry.buckets:
+            if bucket.backend == "cuda":
+                # One build per token-tile count inside the bucket (cuda_fp8.plan's variants).
+                ms.update(min(m, max_m) for m in cuda_tile_starts(lo + 1, bucket.m_max))
             if bucket.backend == "skinny":
                 first_m: dict[SkinnyConfig | None, int] = {}
                 for m in range(lo + 1, bucket.m_max + 1):
@@ -311,6 +376,13 @@ def _warm_ms(weight: torch.Tensor, max_m: int) -> list[int]:
         # aiter buckets its configs by M at these bounds (see VLLM_NOTES.md).
         ms.update(min(b, max_m) for b in (8, 16, 32, 64, 128, 256, 512, 2048))
     return sorted(ms)
+
+
+def cuda_tile_starts(lo: int, hi: int) -> list[int]:
+    """The token counts in [lo, hi] at which the fp8 Hopper kernel needs another build (its token
+    tile count changes: 1-8, 9-16, 17-32 tokens)."""
+    starts = {lo} | {m for m in (9, 17) if lo < m <= hi}
+    return sorted(m for m in starts if m <= hi)
 
 
 def _act_dtype(weight: torch.Tensor, x_dtype: torch.dtype) -> torch.dtype:

@@ -28,10 +28,13 @@ __all__ = [
     "ROUTE_TOLERANCE",
     "SKINNY_MAX_M",
     "TRITON_MAX_M",
+    "FOLD_BACKENDS",
+    "FP8_BACKENDS",
     "Bucket",
     "GpuTable",
     "KernelConfig",
     "ShapeEntry",
+    "bucket_backend",
     "SkinnyConfig",
     "config_dir",
     "decide_fold_max_tokens",
@@ -74,6 +77,10 @@ _KERNEL_KEYS = (
 _BOOL_KEYS = ("use_tma", "pdl", "rope_epilogue", "mma_f16")
 # Keys a bucket may leave out (tables written before they existed), with the value that means.
 _OPTIONAL_KERNEL_KEYS = {"mma_f16": False}
+# The backends a fold bucket may name: [[shape]] (bf16/fp16 weight) and [[fp8_shape]] (e4m3 weight,
+# which also has the Hopper CUDA kernel).
+FOLD_BACKENDS = ("triton", "torch", "skinny")
+FP8_BACKENDS = (*FOLD_BACKENDS, "cuda")
 # Roles of a [[skinny]] entry: the weight it was tuned for.
 _SKINNY_ROLES = ("q_b_proj", "fold", "fold_fp8")
 
@@ -131,10 +138,12 @@ class Bucket:
     """Token counts ``(previous m_max, m_max]`` and the GEMM backend that won there.
 
     ``config`` is the tiled Triton kernel's best config, also where ``backend`` is "torch" or
-    "skinny" (the skinny kernel's configs are the table's [[skinny]] role="fold" entries)."""
+    "skinny" (the skinny kernel's configs are the table's [[skinny]] role="fold" entries) or
+    "cuda" (the fp8 fold's Hopper kernel, ``cuda_fp8``; ``config`` then serves wherever that kernel
+    cannot be built or loaded)."""
 
     m_max: int
-    backend: Literal["triton", "torch", "skinny"]
+    backend: Literal["triton", "torch", "skinny", "cuda"]
     config: KernelConfig
 
 
@@ -241,7 +250,7 @@ def parse_table(data: Mapping[str, Any], source: str) -> GpuTable:
     shapes, shape_where = _parse_shapes(
         [(f"{source} [[shape]] #{i}", raw) for i, raw in enumerate(_require(data, "shape", list, source))]
     )
-    fp8_shapes, fp8_where = _parse_shapes(_optional_tables(data, "fp8_shape", source))
+    fp8_shapes, fp8_where = _parse_shapes(_optional_tables(data, "fp8_shape", source), FP8_BACKENDS)
     q_b_proj: dict[tuple[int, int], tuple[Bucket, ...]] = {}
     for where, raw in _optional_tables(data, "q_b_proj", source):
         n = _require(raw, "n", int, where)
@@ -285,7 +294,7 @@ def parse_table(data: Mapping[str, Any], source: str) -> GpuTable:
 
 
 def _parse_shapes(
-    raws: list[tuple[str, Any]],
+    raws: list[tuple[str, Any]], backends: tuple[str, ...] = FOLD_BACKENDS
 ) -> tuple[dict[tuple[int, int], ShapeEntry], dict[tuple[int, int], str]]:
     """[[shape]] or [[fp8_shape]] entries (each with its name for errors): (n, k) -> entry, and -> name."""
     shapes: dict[tuple[int, int], ShapeEntry] = {}
@@ -294,7 +303,7 @@ def _parse_shapes(
         n = _require(raw, "n", int, where)
         k = _require(raw, "k", int, where)
         max_tokens = _require(raw, "fold_max_tokens", int, where)
-        buckets = _parse_buckets(raw, k, where, ("triton", "torch", "skinny"))
+        buckets = _parse_buckets(raw, k, where, backends)
         if (n, k) in shapes:
             raise FoldckptError(f"{where}: shape n={n} k={k} appears twice")
         shapes[(n, k)] = ShapeEntry(n=n, k=k, fold_max_tokens=max_tokens, buckets=buckets)
@@ -339,7 +348,9 @@ def kernel_config_for(
     ``weight_dtype`` ``torch.float8_e4m3fn`` reads the fp8 fold's [[fp8_shape]] entries (and its
     [[skinny]] role="fold_fp8" configs); any other dtype, or None, the [[shape]] entries.
 
-    - backend "triton": that bucket's ``KernelConfig`` (the tiled kernel, ``launch_fold_gemm``);
+    - backend "triton", or "cuda" (the fp8 Hopper kernel, which ``fold_gemm`` launches first where
+      ``bucket_backend`` says so): that bucket's ``KernelConfig`` (the tiled kernel,
+      ``launch_fold_gemm``; for "cuda" the fallback);
     - backend "skinny": the [[skinny]] role="fold" ``SkinnyConfig`` for ``m`` (``launch_skinny_gemm``;
       ``parse_table`` guarantees one exists);
     - backend "torch", ``m`` above the last bucket, an (n, k) the table never measured, or a GPU
@@ -362,6 +373,15 @@ def kernel_config_for(
     if bucket.backend == "skinny":
         return skinny_config(table, "fold_fp8" if fp8 else "fold", n, k, m)
     return bucket.config
+
+
+def bucket_backend(gpu: str, n: int, k: int, m: int, weight_dtype: torch.dtype | None = None) -> str | None:
+    """The backend the table chose for an ``m``-token fold GEMM of shape (n, k) on ``gpu``, or None
+    where no measured bucket holds it."""
+    table = load_table(gpu)
+    entry = table.entries(weight_dtype).get((n, k)) if table is not None else None
+    bucket = entry.bucket_for(m) if entry is not None else None
+    return bucket.backend if bucket is not None else None
 
 
 def q_b_proj_bucket(table: GpuTable | None, n: int, k: int, m: int) -> Bucket | None:
