@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import platform
 import ssl
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +39,7 @@ def machine() -> dict[str, Any]:
 
 
 def commit() -> str:
-    """The commit this checkout is at (short), or what the ``GPU_COMMIT`` file of a device copy (a
-    tree without its .git) names, else "unknown": a figure is only worth what it measured."""
-    repo = Path(__file__).resolve().parent.parent
-    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
-    if run.returncode == 0:
-        return run.stdout.strip()
-    marker = repo / "GPU_COMMIT"
-    return marker.read_text().strip() if marker.exists() else "unknown"
+    """The commit this checkout (or device copy) is at: ``foldckpt.tune.cli.source_commit``."""
+    from foldckpt.tune.cli import source_commit
+
+    return source_commit(Path(__file__).resolve().parent.parent)

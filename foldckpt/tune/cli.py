@@ -23,6 +23,7 @@ import argparse
 import datetime
 import json
 import platform
+import subprocess
 import time
 import tomllib
 from dataclasses import asdict, replace
@@ -73,6 +74,21 @@ from foldckpt.tune.table import base_seeds, merge, redecide, toml_text
 SPACES = {space.name: space for space in (BF16, FP8)}
 # The table section of each searched role's entries.
 SECTIONS = {"fold": "shape", "q_b_proj": "q_b_proj", "fold_fp8": "fp8_shape"}
+
+
+# The source tree this module runs from (a checkout or a device copy of one).
+SOURCE_TREE = Path(__file__).resolve().parents[2]
+
+
+def source_commit(tree: Path = SOURCE_TREE) -> str:
+    """The commit of the source tree a table or benchmark figure came from (short): ``git rev-parse``
+    in a checkout, else what the ``GPU_COMMIT`` file of a device copy (a tree without its .git)
+    names, else "unknown". A figure is only worth the code it measured."""
+    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True)
+    if run.returncode == 0:
+        return run.stdout.strip()
+    marker = tree / "GPU_COMMIT"
+    return marker.read_text().strip() if marker.exists() else "unknown"
 
 
 def parse_heads(text: str) -> tuple[int, ...]:
@@ -232,6 +248,7 @@ def run(args: argparse.Namespace, space: SearchSpace) -> int:
         meta = {
             "gpu": key,
             "device_name": torch.cuda.get_device_name(dev),
+            f"{space.prefix}commit": source_commit(),
             f"{space.prefix}date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             f"{space.prefix}torch": torch.__version__,
             f"{space.prefix}triton": triton.__version__,

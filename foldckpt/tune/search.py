@@ -193,6 +193,22 @@ class GemmWeights:
         y = torch.empty((m, self.n), device="cuda", dtype=torch.bfloat16)
         return time_graph_us(self.triton_calls(cfg, x, y)), err
 
+    def cuda_calls(self, x: torch.Tensor, y: torch.Tensor) -> list[Callable[[], object]] | None:
+        """The fp8 fold through the Hopper CUDA kernel (``cuda_fp8``) over the copies, or None where
+        it cannot run (not an fp8 weight, not an sm_90 GPU, no NVRTC, M above its plans)."""
+        from foldckpt.runtime.kernels import cuda_fp8
+
+        if self.scales[0] is None or not cuda_fp8.runs_on(x.device):
+            return None
+        if not cuda_fp8.supports(x, self.copies[0], y, self.scales[0]):
+            return None
+        try:
+            cuda_fp8.launch(x, self.copies[0], self.scales[0], y)
+        except cuda_fp8.KernelUnavailable as exc:
+            print(f"  CUDA fp8 kernel unavailable at N={self.n} M={x.shape[0]}: {exc}", flush=True)
+            return None
+        return [lambda i=i: cuda_fp8.launch(x, self.copies[i], self.scales[i], y) for i in layer_order()]
+
     def skinny_calls(self, cfg: SkinnyConfig, x: torch.Tensor, y: torch.Tensor) -> list[Callable[[], None]]:
         from foldckpt.runtime.kernels import triton_gemm
 
@@ -290,7 +306,19 @@ def grid_point(
         err = relative_error(variants[name][0](), F.linear(x.float(), weights.reference))
         if err > MAX_RELERR:
             raise RuntimeError(f"N={bench.n} M={m}: {name} relative error {err:.1e}")
-    times: dict = {"triton_us": None, "skinny_us": None, "unfolded_triton_us": None, "unfolded_skinny_us": None}
+    times: dict = {
+        "triton_us": None,
+        "skinny_us": None,
+        "cuda_us": None,
+        "unfolded_triton_us": None,
+        "unfolded_skinny_us": None,
+    }
+    y_cuda = torch.full((m, bench.n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    cuda = fold.cuda_calls(x, y_cuda)
+    if cuda is not None:
+        times["cuda_us"] = float("inf")
+        if relative_error(y_cuda, F.linear(x.float(), fold.reference)) <= MAX_RELERR:
+            variants["cuda_us"] = cuda
     if cfg is not None:
         times["triton_us"] = float("inf")
         if fold.triton_error(cfg, x) <= MAX_RELERR:
@@ -515,7 +543,7 @@ def choose_flags(
 
 
 def fold_us(row: dict, backend: str) -> float:
-    """The fold's time at a grid row on ``backend`` ("triton", "torch" or "skinny")."""
+    """The fold's time at a grid row on ``backend`` ("triton", "torch", "skinny" or "cuda")."""
     return row[f"{backend}_us"]
 
 
@@ -554,10 +582,11 @@ def backend_at(backends: dict[int, str], m: int) -> str:
 def decide(rows: list[dict], tolerance: float = ROUTE_TOLERANCE) -> tuple[dict[int, str], dict[int, str], int]:
     """Fold backend per bucket, q_b_proj backend per bucket, and the crossover ``fold_max_tokens``.
 
-    Fold: per BUCKETS bucket the faster of the tiled Triton kernel and torch in sum over the
+    Fold: per BUCKETS bucket the fastest of the tiled Triton kernel, torch and (the fp8 fold on
+    Hopper, where it ran at every grid point of the bucket) the CUDA kernel in sum over the
     bucket's grid points, then ``skinny_split`` (the M <= 16 bucket split where the skinny kernel
     was faster than that): ascending m_max -> "triton" / "torch" / "skinny", the table's
-    [[shape.bucket]] list. q_b_proj: per BUCKETS bucket the faster of tiled Triton and cuBLAS.
+    [[shape.bucket]] list ("cuda" too for the fp8 fold). q_b_proj: per BUCKETS bucket the faster of tiled Triton and cuBLAS.
 
     The crossover is ``tuning.decide_fold_max_tokens`` of the fold on its bucket's backend against
     the unfolded path on the fastest of its q_b_proj kernels at each grid M.
@@ -565,9 +594,11 @@ def decide(rows: list[dict], tolerance: float = ROUTE_TOLERANCE) -> tuple[dict[i
     backends, qb_backends = {}, {}
     for bucket in BUCKETS:
         inside = [r for r in rows if bucket_of(r["m"]) == bucket]
-        backends[bucket] = (
-            "triton" if sum(r["triton_us"] for r in inside) < sum(r["torch_us"] for r in inside) else "torch"
-        )
+        sums = {backend: sum(r[f"{backend}_us"] for r in inside) for backend in ("triton", "torch")}
+        if inside and all(r.get("cuda_us") is not None for r in inside):
+            sums["cuda"] = sum(r["cuda_us"] for r in inside)
+        # Ties keep the earlier backend (the Triton kernel, then torch).
+        backends[bucket] = min(sums, key=sums.__getitem__)
         qb_triton = [r.get("unfolded_triton_us") for r in inside]
         qb_backends[bucket] = (
             "triton"
@@ -583,7 +614,8 @@ def decide(rows: list[dict], tolerance: float = ROUTE_TOLERANCE) -> tuple[dict[i
 def table_buckets(backends: dict[int, str], tiled: dict[int, dict], rows: list[dict]) -> list[dict]:
     """The [[shape.bucket]] records for ``decide``'s fold ``backends``: each carries the tiled
     Triton config of the BUCKETS bucket holding it (``tiled``: m_max -> record with the config
-    and the search's triton_us), the measurements behind its choice and, where skinny, skinny_us.
+    and the search's triton_us), the measurements behind its choice and, where skinny or cuda, that
+    backend's time at its m_max.
     A skinny sub-bucket's triton_us / torch_us are the grid's at its m_max."""
     records = []
     for m_max, backend in backends.items():
@@ -593,7 +625,7 @@ def table_buckets(backends: dict[int, str], tiled: dict[int, dict], rows: list[d
         record.update((k, v) for k, v in src.items() if k not in ("m_max", "backend", "skinny_us"))
         if m_max not in BUCKETS:
             record.update(triton_us=at["triton_us"], torch_us=at["torch_us"])
-        if backend == "skinny":
-            record["skinny_us"] = at["skinny_us"]
+        if backend in ("skinny", "cuda"):
+            record[f"{backend}_us"] = at[f"{backend}_us"]
         records.append(record)
     return records
