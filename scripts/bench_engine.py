@@ -1,32 +1,47 @@
-"""Decode gain of the fold in a real vLLM engine on one GPU: stock vs bf16 fold vs fp8 fold.
+"""The fold's decode gain in a real vLLM engine on one GPU, resolved to microseconds per MLA layer.
 
-    python scripts/bench_engine.py --out docs/bench/engine_<gpu>.json [--models k3,ds] [--quick]
+    python scripts/bench_engine.py --model k3 --out docs/bench/engine_<gpu>.json   # on the GPU machine
+    python scripts/bench_engine.py --model ds --out docs/bench/engine_<gpu>.json   # merges into the same file
 
-Models have the attention geometry of ONE tensor-parallel rank of the real ones, so that a GPU
-runs what one GPU of a TP8 deployment runs in its MLA layers:
+One model per run (a run is one device call). Each model is ONE tensor-parallel rank of the real
+deployment at its FULL depth, so that a decode step is GPU-bound and a few µs per layer add up to
+something an engine can show:
 
-* Kimi-K3 TP8: 12 heads (96/8), hidden 7168, q_lora 1536, kv_lora 512, rope slot 64, NoPE, output
-  gate; every layer MLA (``all_mla``);
-* DeepSeek-V3 TP8: 16 heads (128/8), hidden 7168, q_lora 1536, kv_lora 512, RoPE (YaRN).
+* ``k3``, Kimi-K3 TP8: 93 layers in K3's own hybrid layout, 24 MLA (every 4th and the last) and 69
+  KDA layers, which run as stock runs them (the fold touches MLA layers only); 12 MLA heads (96/8),
+  hidden 7168, q_lora 1536, kv_lora 512, NoPE with the rope slot, output gate; KDA 12 heads of 128.
+* ``ds``, DeepSeek-V3 TP8: 61 layers, 3 with a dense MLP (width 2304, 18432/8) and 58 MoE; 16 MLA
+  heads (128/8) with RoPE (YaRN).
 
-Reduced, and why it leaves the attention side as it is: a few layers instead of 61 / 93 (the fold
-changes each MLA layer by itself, so the saving is per layer and scales with the count); the MoE
-to 4 bf16 experts of width 512 (K3) / 256 (DeepSeek-V3) with a 320-token vocabulary (the fold
-touches neither; they only set the non-attention part of the step, which is reported apart:
-saving per layer and step, not only the end-to-end ratio). Hidden 7168 is kept: q_a/kv_a/o_proj
-and the KV cache are what the attention reads around the query projection.
+Reduced, and why the MLA layers are not: the routed experts are 4 (DS) / 2 (K3) bf16 experts of
+width 256 (DS) / 512 (K3) with 2 active, beside the shared one, and a 320-token vocabulary; the
+weights are random (drawn on the GPU: a K3 rank is 15 GB). The fold changes each MLA layer's query and
+nothing else, so the step's non-attention part only sets the denominator; it is reported apart
+(saving per MLA layer and step), and the full-model gain is projected from a published full-model
+step time, not from this model's step.
 
-Each engine is its own process (vLLM loads plugins once per process): vLLM's default CUDA graphs
-(+ torch.compile for DeepSeek-V3; breakable graphs for Kimi-K3), greedy, ``ignore_eos``. At each
-concurrency c, c requests of fixed input/output length start together (what a serving benchmark
-at concurrency c with fixed lengths runs in steady state), twice; per request the engine's own
-timestamps give TTFT and TPOT ((last - first token) / (out - 1)); output tok/s is c * out / wall.
-TPOT at c = 1 is the decode step time of a replayed CUDA graph plus the scheduler's overhead.
+Engines, each its own process (vLLM loads plugins once per process), in this order: stock, the
+bf16 fold as routed, the fp8 fold as routed, the fp8 fold forced on at every decode batch
+(``FOLDCKPT_FOLD_MAX_TOKENS``: the kernel's effect where routing declines it), stock again (the
+A/A control: the same GPU work in a second engine; its difference is the noise floor). Every
+engine: no torch.compile, decode steps replayed from FULL CUDA graphs (``FULL_DECODE_ONLY``): each
+decode step is one graph replay whichever variant runs, and an engine starts in seconds, not
+minutes of compilation. At each concurrency c, c requests of fixed lengths start together, for
+ROUNDS rounds; per round:
 
-Saving per MLA layer and step = (stock TPOT - fold TPOT) / layers. Projection to a full model
-(24 MLA layers of Kimi-K3, 61 of DeepSeek-V3): saving x layers, set against a full-model step
-estimated as this step scaled by layers (an upper bound on the relative gain: a full model's MoE,
-embedding and lm_head make its step longer than layers x this step).
+* TPOT: per request (last - first token) / (tokens - 1), from the engine's own timestamps (TTFT
+  excluded), the median over the round's requests; the decode rate c * (out - 1) / (last token -
+  first first token);
+* GPU time per decode step: CUDA events around the model's forward (vLLM's V2 model runner calls its
+  KV connector just before and after it) on every step whose batch is the c requests decoding, the
+  median over the round's steps. A run is GPU-bound where that is >= 0.8 x TPOT: then the step's
+  time is the GPU's, and µs saved on the GPU are µs saved per token.
+
+Summary per fold variant and concurrency: saving per MLA layer and step = (stock - fold GPU step
+time) / MLA layers, the median over the rounds' pairs; beside it the A/A difference and the
+per-layer saving of the same kernels in isolation (``scripts/bench_decode.py``'s variants for this
+geometry at M = c, timed in the same run); then the projection: saving x the real model's MLA
+layers over the published full-model TPOT (``FULL_MODEL_TPOT``).
 """
 
 from __future__ import annotations
@@ -38,193 +53,450 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
-FULL_MLA_LAYERS = {"k3": 24, "ds": 61}
-LAYERS = 4
-INPUT_LEN, OUTPUT_LEN = 256, 128  # the seed's 1024/1024 scaled down to fit one device call
-CONCURRENCY = (1, 4, 14, 28)
-ROUNDS = 2
-VARIANTS = ("stock", "bf16", "fp8")
+INPUT_LEN, OUTPUT_LEN = 256, 512
+CONCURRENCY = (1, 14, 28)
+ROUNDS = 3
+# The engine order: interleaved, with the A/A control last so that any drift over the run shows in it.
+VARIANTS = ("stock", "bf16", "fp8", "fp8_forced", "stock_aa")
+FOLD_VARIANTS = ("bf16", "fp8", "fp8_forced")
+GPU_BOUND = 0.8
+
+# Per model: layers and MLA layers (the real model's, kept), heads per TP8 rank, RoPE or NoPE.
+MODELS: dict[str, dict[str, Any]] = {
+    "k3": {"layers": 93, "mla_layers": 24, "heads": 12, "rope": False},
+    "ds": {"layers": 61, "mla_layers": 61, "heads": 16, "rope": True},
+}
+# The published full-model decode step times the projection divides by, with their sources.
+FULL_MODEL_TPOT = REPO / "docs" / "bench" / "full_model_tpot.json"
 
 
-def _dims(family: str) -> Any:
+def dims(model: str) -> Any:
+    """The TP8 rank's geometry (``TinyDims``) of ``model``."""
     from foldckpt.model.synthetic import FULL_K3_DIMS
 
-    if family == "k3":
-        return replace(FULL_K3_DIMS, heads=12, experts=4, vocab=320)
-    return replace(FULL_K3_DIMS, heads=16, experts=4, vocab=320, intermediate=2048, moe_intermediate=256)
+    heads = MODELS[model]["heads"]
+    if model == "k3":
+        return replace(FULL_K3_DIMS, heads=heads, experts=2, vocab=320, kda_heads=12, kda_head_dim=128)
+    return replace(
+        FULL_K3_DIMS, heads=heads, experts=4, vocab=320, intermediate=2304, moe_intermediate=256, dense_layers=3
+    )
 
 
-def build(family: str, root: Path) -> dict[str, Path]:
-    """The checkpoint and its bf16 and fp8 conversions."""
+def build(model: str, root: Path) -> dict[str, Path]:
+    """The checkpoint and its bf16 and fp8 conversions (the fp8 one serves both fp8 variants)."""
     from foldckpt.convert import ConvertOptions, convert
     from foldckpt.model.synthetic import make_checkpoint
 
-    if family == "k3":
+    layers = MODELS[model]["layers"]
+    if model == "k3":
         source = make_checkpoint(
-            root / "k3", "kimi_k3", layers=LAYERS, mtp_layers=0, all_mla=True, bf16_experts=True, dims=_dims(family)
+            root / "k3", "kimi_k3", layers=layers, mtp_layers=0, bf16_experts=True, dims=dims(model)
         )
     else:
-        source = make_checkpoint(root / "ds", "deepseek_v3", layers=LAYERS, dims=_dims(family))
-    dirs = {"stock": source}
+        source = make_checkpoint(root / "ds", "deepseek_v3", layers=layers, mtp_layers=0, dims=dims(model))
+    dirs = {"stock": source, "stock_aa": source}
     for variant, fold in (("bf16", "bfloat16"), ("fp8", "fp8")):
         out = source.with_name(f"{source.name}-{variant}")
-        dirs[variant] = convert(source, out, ConvertOptions(fold_dtype=fold, progress=False)).out_dir
+        dirs[variant] = convert(source, out, ConvertOptions(fold_dtype=fold, progress=False, device="cuda")).out_dir
+    dirs["fp8_forced"] = dirs["fp8"]
     return dirs
 
 
-def job(spec: dict[str, Any]) -> dict[str, Any]:
-    """One engine (in this process): every concurrency level, ROUNDS times each."""
+# ---- inside an engine's process ---------------------------------------------------------------------
+
+
+class StepTimer:
+    """CUDA events around every model forward of the steps measured (``start`` .. ``stop``), with
+    the batch each ran: (tokens, requests). Installed on vLLM's V2 model runner's KV connector,
+    whose ``pre_forward`` / ``finish_forward`` bracket the forward in eager, piecewise and FULL
+    graph steps alike; never during CUDA graph capture."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.steps: list[tuple[Any, Any, int, int]] = []
+        self._open: tuple[Any, int, int] | None = None
+
+    def install(self) -> None:
+        import torch
+        from vllm.v1.worker.gpu import kv_connector
+
+        timer, cls = self, kv_connector.KVConnector
+        pre, finish = cls.pre_forward, cls.finish_forward
+
+        def pre_forward(self, scheduler_output, input_batch=None, attn_metadata=None):  # noqa: ANN001, ANN202
+            if timer.active and input_batch is not None and not torch.cuda.is_current_stream_capturing():
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                timer._open = (start, input_batch.num_tokens, input_batch.num_reqs)
+            return pre(self, scheduler_output, input_batch, attn_metadata)
+
+        def finish_forward(self):  # noqa: ANN001, ANN202
+            if timer._open is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                start, tokens, reqs = timer._open
+                timer.steps.append((start, end, tokens, reqs))
+                timer._open = None
+            return finish(self)
+
+        cls.pre_forward, cls.finish_forward = pre_forward, finish_forward
+
+    def start(self) -> None:
+        self.steps, self._open, self.active = [], None, True
+
+    def stop(self, requests: int) -> list[float]:
+        """µs of each measured step in which all ``requests`` requests decoded one token each."""
+        self.active = False
+        if self.steps:
+            self.steps[-1][1].synchronize()
+        return [1e3 * s.elapsed_time(e) for s, e, tokens, reqs in self.steps if reqs == requests == tokens]
+
+
+def describe_stock_query(model: Any) -> dict[str, Any]:
+    """What the served model's q_b_proj runs per decode token count (vLLM's own low-latency plan
+    where it installed one), and which MLA query class serves the layers: what stock ran."""
+    import torch
+
+    plans, classes = {}, set()
+    for name, module in model.named_modules():
+        if name.endswith("self_attn") or name.endswith(".attn"):
+            classes.add(type(module).__name__)
+        if not name.endswith("q_b_proj"):
+            continue
+        method = module.quant_method
+        plan = getattr(method, "_plan", None)
+        if plan is None:
+            plans[type(method).__name__] = "cuBLAS (F.linear) at every M"
+            continue
+        try:
+            from vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm import shape_dynamic_skinny_gemm
+
+            cute = shape_dynamic_skinny_gemm.is_available()
+        except ImportError:
+            cute = False
+        fused_a = hasattr(torch.ops._C, "dsv3_fused_a_gemm")
+        by_m = {}
+        for m in range(1, 17):
+            backend = plan.get(m, (None, None))[0]
+            ran = {"cute": "CuTe DSL" if cute else "cuBLAS (CuTe DSL planned: nvidia-cutlass-dsl missing)"}.get(
+                backend, "dsv3_fused_a_gemm" if backend == "dsv3_fused_a" and fused_a else "cuBLAS"
+            )
+            by_m[m] = ran
+        plans[type(method).__name__] = {"M<=16": by_m, "M>16": "cuBLAS"}
+    return {"q_b_proj": plans, "attention_modules": sorted(classes)}
+
+
+def engine_job(spec: dict[str, Any]) -> dict[str, Any]:
+    """One engine: every concurrency, ROUNDS rounds each, TPOT and GPU step times."""
+    timer = StepTimer()
+    timer.install()
     from vllm import LLM, SamplingParams
 
     started = time.monotonic()
-    options = {"language_model_only": True} if spec["family"] == "k3" else {}
+    options = {"language_model_only": True} if spec["model_key"] == "k3" else {}
+    capture = sorted({1, 2, 4, 8, 16, 32, *CONCURRENCY})
     llm = LLM(
         model=spec["model"],
         dtype="bfloat16",
         max_model_len=INPUT_LEN + OUTPUT_LEN + 16,
         seed=0,
         max_num_seqs=max(CONCURRENCY),
-        gpu_memory_utilization=0.6,
-        disable_log_stats=False,
+        gpu_memory_utilization=0.85,
         enable_prefix_caching=False,
-        compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, 8, 16, 32, *CONCURRENCY})},
+        compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": capture},
         **options,
     )
     ready = time.monotonic()
+    stock_query = llm.apply_model(describe_stock_query)[0]
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
-    warm = [{"prompt_token_ids": [(3 * j) % 251 for j in range(INPUT_LEN)]}]
-    llm.generate(warm * 4, params, use_tqdm=False)
+    warm = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [(3 * j) % 251 for j in range(INPUT_LEN)]}] * max(CONCURRENCY), warm)
     levels = []
     for c in CONCURRENCY:
-        ttft, tpot, rates = [], [], []
+        rounds = []
         for r in range(ROUNDS):
-            prompts = [{"prompt_token_ids": [(7 * i + 13 * j + r) % 251 for j in range(INPUT_LEN)]} for i in range(c)]
-            t0 = time.monotonic()
+            prompts = [
+                {"prompt_token_ids": [(7 * i + 13 * j + 31 * r) % 251 for j in range(INPUT_LEN)]} for i in range(c)
+            ]
+            timer.start()
             outs = llm.generate(prompts, params, use_tqdm=False)
-            wall = time.monotonic() - t0
-            rates.append(c * OUTPUT_LEN / wall)
-            for out in outs:
-                m = out.metrics
-                ttft.append(m.first_token_latency)
-                tpot.append((m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1))
-        levels.append(
+            steps = timer.stop(c)
+            metrics = [o.metrics for o in outs]
+            tpot = [(m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1) for m in metrics]
+            span = max(m.last_token_ts for m in metrics) - min(m.first_token_ts for m in metrics)
+            rounds.append(
+                {
+                    "tpot_ms": 1e3 * statistics.median(tpot),
+                    "gpu_step_us": statistics.median(steps) if steps else None,
+                    "decode_steps_timed": len(steps),
+                    "decode_tok_s": c * (OUTPUT_LEN - 1) / span,
+                }
+            )
+        levels.append({"concurrency": c, "rounds": rounds})
+    return {"startup_s": ready - started, "levels": levels, "stock_query": stock_query}
+
+
+# ---- the per-layer microbenchmark, in its own process ---------------------------------------------------
+
+
+def microbench_job(spec: dict[str, Any]) -> dict[str, Any]:
+    """Per-layer µs of the decode query as stock runs it and as each fold variant runs it, at M = c,
+    for this model's geometry: ``bench_decode``'s variants and timing (CUDA graphs over 16 layer
+    copies), so that the engine's per-layer saving has a like-for-like reference."""
+    import torch
+    from bench_decode import Layers, split_query, vllm_accepts, vllm_q_b_proj
+
+    from foldckpt.runtime.kernels import fold_gemm, fold_query, fold_route, warmup_fold_gemm, warmup_fold_query
+    from foldckpt.runtime.kernels.reference import MlaDims, decode_rope, unfolded_query
+    from foldckpt.runtime.kernels.timing import layer_order, settle_clocks, time_graphs_us
+    from foldckpt.runtime.kernels.tuning import FP8_WEIGHT_DTYPE
+
+    device = torch.device("cuda")
+    info = MODELS[spec["model_key"]]
+    dims_ = MlaDims(info["heads"])
+    layers = Layers(dims_, device)
+    routes = {
+        "bf16": fold_route(dims_, device).max_tokens,
+        "fp8": fold_route(dims_, device, FP8_WEIGHT_DTYPE).max_tokens,
+        "fp8_forced": 1 << 30,
+    }
+    warmup_fold_gemm(layers.fold, max(CONCURRENCY))
+    warmup_fold_gemm(layers.fp8, max(CONCURRENCY), scale=layers.scale)
+    rope_cache = decode_rope(1, dims_, device).cos_sin_cache if info["rope"] else None
+    if rope_cache is not None:
+        warmup_fold_query(layers.fold, max(CONCURRENCY), rope_cache, dims_.fold_head)
+        warmup_fold_query(layers.fp8, max(CONCURRENCY), rope_cache, dims_.fold_head, layers.scale)
+    out: dict[str, Any] = {"routes": routes, "levels": []}
+    for c in CONCURRENCY:
+        x = torch.randn(c, dims_.q_lora, device=device, dtype=torch.bfloat16)
+        rope = decode_rope(c, dims_, device) if info["rope"] else None
+        unfolded_rope = replace(rope, head_dim=dims_.nope + dims_.rope) if rope is not None else None
+        vllm_plan = not info["rope"] and vllm_accepts(x, layers.qb) and 3 <= c <= 8  # vLLM's SM90 K3 plan
+        q = torch.empty(c, layers.qb.shape[0], device=device, dtype=torch.bfloat16)
+
+        def stock(i: int, x=x, q=q, vllm_plan=vllm_plan, unfolded_rope=unfolded_rope):  # noqa: ANN001, ANN202
+            if vllm_plan:
+                vllm_q_b_proj(q, x, layers.qbs[i])
+                return split_query(q, layers.uks[i], dims_)
+            return unfolded_query(x, layers.qbs[i], layers.uks[i], dims_, unfolded_rope)
+
+        def fold(variant: str, i: int, x=x, rope=rope, c=c):  # noqa: ANN001, ANN202
+            if c > routes[variant]:
+                return stock(i)
+            weight, scale = (layers.folds[i], None) if variant == "bf16" else (layers.fp8s[i], layers.scales[i])
+            return fold_query(x, weight, rope, scale) if rope is not None else fold_gemm(x, weight, scale=scale)
+
+        calls = {"stock": [lambda i=i: stock(i) for i in layer_order()]}
+        for variant in FOLD_VARIANTS:
+            calls[variant] = [lambda i=i, v=variant: fold(v, i) for i in layer_order()]
+        settle_clocks(device)
+        rounds = [time_graphs_us(calls) for _ in range(3)]
+        times = {name: statistics.median(r[name] for r in rounds) for name in calls}
+        out["levels"].append(
             {
                 "concurrency": c,
-                "output_tok_s": statistics.mean(rates),
-                "tpot_ms": {
-                    "mean": 1e3 * statistics.mean(tpot),
-                    "p50": 1e3 * statistics.median(tpot),
-                    "p99": 1e3 * sorted(tpot)[round(0.99 * (len(tpot) - 1))],
-                },
-                "ttft_ms": {"mean": 1e3 * statistics.mean(ttft), "p50": 1e3 * statistics.median(ttft)},
+                "stock_us": times["stock"],
+                "stock_q_b_proj": "dsv3_fused_a_gemm" if vllm_plan else "cuBLAS",
+                **{f"{v}_us": times[v] for v in FOLD_VARIANTS},
             }
         )
-    return {"startup_s": ready - started, "levels": levels}
+    return out
 
 
-def run_variant(family: str, variant: str, model: Path, workdir: Path, log_dir: Path) -> dict[str, Any]:
-    """One engine in a subprocess; stock runs without the plugin (vLLM alone on the path)."""
-    spec_path, out_path = workdir / f"{family}-{variant}.spec.json", workdir / f"{family}-{variant}.out.json"
-    spec_path.write_text(json.dumps({"family": family, "model": str(model)}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FOLDCKPT_")}
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CACHE_ROOT=str(workdir / f"{family}-{variant}.cache"))
-    if variant == "stock":
-        env["VLLM_PLUGINS"] = ""
-        env["PYTHONPATH"] = os.environ.get("VLLM_STOCK_PATH", env.get("PYTHONPATH", ""))
+# ---- the parent: build, run the engines in order, summarize -------------------------------------------
+
+
+def run_job(kind: str, spec: dict[str, Any], name: str, workdir: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Run ``kind`` ("--job" or "--microbench") in a fresh process; its result, or {"error": last log line}."""
+    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    out_path.unlink(missing_ok=True)
     proc = subprocess.run(
-        [sys.executable, __file__, "--job", str(spec_path), str(out_path)],
+        [sys.executable, __file__, kind, str(spec_path), str(out_path)],
         env=env,
         capture_output=True,
         text=True,
         check=False,
-        timeout=600,
+        timeout=900,
     )
     log = proc.stdout + proc.stderr
-    (log_dir / f"bench-{family}-{variant}.log").write_text(log)
-    if proc.returncode != 0:
+    (workdir / f"{name}.log").write_text(log)
+    if proc.returncode != 0 or not out_path.exists():
         return {"error": log.strip().splitlines()[-1] if log.strip() else f"exit {proc.returncode}"}
     result = json.loads(out_path.read_text())
-    result["fold_log"] = next((line for line in log.splitlines() if "foldckpt: folded" in line), None)
+    result["fold_log"] = next((line.strip() for line in log.splitlines() if "foldckpt: folded" in line), None)
     return result
 
 
-def summarize(family: str, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per fold variant and concurrency: the gain, the saving per MLA layer and step, the projection."""
-    stock = runs.get("stock", {})
-    out: dict[str, Any] = {}
-    for variant in VARIANTS[1:]:
-        fold = runs.get(variant, {})
-        if "levels" not in stock or "levels" not in fold:
-            continue
-        rows = []
-        for s, f in zip(stock["levels"], fold["levels"], strict=True):
-            saving_ms = s["tpot_ms"]["mean"] - f["tpot_ms"]["mean"]
-            per_layer_us = 1e3 * saving_ms / LAYERS
-            full = FULL_MLA_LAYERS[family]
-            rows.append(
+def engine_env(variant: str, workdir: Path) -> dict[str, str]:
+    """Stock runs without the plugin (vLLM alone on the path); fold runs with it, and
+    ``fp8_forced`` with the fold at every decode batch size."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FOLDCKPT_")}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CACHE_ROOT=str(workdir / "vllm-cache"))
+    env["FOLDCKPT_STATS_FILE"] = str(workdir / f"{variant}.stats.json")
+    if variant.startswith("stock"):
+        env["VLLM_PLUGINS"] = ""
+        env["PYTHONPATH"] = os.environ.get("VLLM_STOCK_PATH", env.get("PYTHONPATH", ""))
+    if variant == "fp8_forced":
+        from foldckpt.runtime.kernels.routing import ENV_FOLD_MAX_TOKENS
+
+        env[ENV_FOLD_MAX_TOKENS] = str(1 << 20)
+    return env
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def level_summary(level: dict[str, Any]) -> dict[str, Any]:
+    rounds = level["rounds"]
+    gpu = [r["gpu_step_us"] for r in rounds if r["gpu_step_us"] is not None]
+    tpot = spread([r["tpot_ms"] for r in rounds])
+    out = {
+        "concurrency": level["concurrency"],
+        "tpot_ms": tpot,
+        "gpu_step_us": spread(gpu) if gpu else None,
+        "decode_tok_s": statistics.median(r["decode_tok_s"] for r in rounds),
+    }
+    out["gpu_bound"] = bool(gpu) and out["gpu_step_us"]["median"] >= GPU_BOUND * 1e3 * tpot["median"]
+    return out
+
+
+def pct(a: float, b: float) -> float:
+    return 100.0 * (a - b) / b
+
+
+def summarize(model: str, runs: dict[str, Any], micro: dict[str, Any]) -> dict[str, Any]:
+    """The A/A control and, per fold variant and concurrency, the saving per MLA layer and step,
+    the microbenchmark's, and the projected full-model gain."""
+    mla = MODELS[model]["mla_layers"]
+    ok = {v: r for v, r in runs.items() if "levels" in r}
+    out: dict[str, Any] = {"aa": [], "summary": {}}
+    if "stock" in ok and "stock_aa" in ok:
+        for a, b in zip(ok["stock"]["levels"], ok["stock_aa"]["levels"], strict=True):
+            sa, sb = level_summary(a), level_summary(b)
+            out["aa"].append(
                 {
-                    "concurrency": s["concurrency"],
-                    "throughput_gain_pct": 100 * (f["output_tok_s"] / s["output_tok_s"] - 1),
-                    "tpot_saving_ms": saving_ms,
-                    "saving_per_mla_layer_step_us": per_layer_us,
-                    "projected_full_model_saving_per_step_us": per_layer_us * full,
-                    "projected_full_model_gain_pct_upper": 100 * saving_ms / s["tpot_ms"]["mean"],
+                    "concurrency": a["concurrency"],
+                    "tpot_diff_pct": pct(sb["tpot_ms"]["median"], sa["tpot_ms"]["median"]),
+                    "gpu_step_diff_pct": pct(sb["gpu_step_us"]["median"], sa["gpu_step_us"]["median"])
+                    if sa["gpu_step_us"] and sb["gpu_step_us"]
+                    else None,
                 }
             )
-        out[variant] = rows
+    micro_at = {lv["concurrency"]: lv for lv in micro.get("levels", [])}
+    cited = json.loads(FULL_MODEL_TPOT.read_text())[model]
+    for variant in FOLD_VARIANTS:
+        if "stock" not in ok or variant not in ok:
+            continue
+        rows = []
+        for s, f in zip(ok["stock"]["levels"], ok[variant]["levels"], strict=True):
+            c = s["concurrency"]
+            # Round r of the fold engine against round r of stock: same prompts, same order.
+            savings = [
+                (rs["gpu_step_us"] - rf["gpu_step_us"]) / mla
+                for rs, rf in zip(s["rounds"], f["rounds"], strict=True)
+                if rs["gpu_step_us"] is not None and rf["gpu_step_us"] is not None
+            ]
+            mb = micro_at.get(c)
+            saving = statistics.median(savings) if savings else None
+            full_tpot_ms = cited.get("tpot_ms", {}).get(str(c))
+            rows.append(
+                {
+                    "concurrency": c,
+                    "saving_per_mla_layer_step_us": spread(savings) if savings else None,
+                    "microbench_saving_us": mb["stock_us"] - mb[f"{variant}_us"] if mb else None,
+                    "projected_full_model_gain_pct": 100.0 * saving * cited["mla_layers"] / (1e3 * full_tpot_ms)
+                    if saving is not None and full_tpot_ms
+                    else None,
+                }
+            )
+        out["summary"][variant] = rows
     return out
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--job"]:
-        result = job(json.loads(Path(sys.argv[2]).read_text()))
+    if sys.argv[1:2] in (["--job"], ["--microbench"]):
+        spec = json.loads(Path(sys.argv[2]).read_text())
+        result = engine_job(spec) if sys.argv[1] == "--job" else microbench_job(spec)
         Path(sys.argv[3]).write_text(json.dumps(result))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--models", default="k3,ds")
+    parser.add_argument("--model", choices=sorted(MODELS), required=True)
+    parser.add_argument("--out", type=Path, required=True, help="engine_<gpu>.json (a model already in it is kept)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench_engine"))
-    parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument(
+        "--resummarize",
+        action="store_true",
+        help="no GPU: recompute --model's summary in --out from its runs (after a change to the cited step times)",
+    )
     args = parser.parse_args()
+    if args.resummarize:
+        report = json.loads(args.out.read_text())
+        entry = report["models"][args.model]
+        entry.update(summarize(args.model, entry["runs"], entry["microbench"]))
+        report["full_model_tpot"] = json.loads(FULL_MODEL_TPOT.read_text())
+        args.out.write_text(json.dumps(report, indent=1))
+        return
     import torch
+    from bench_machine import commit
 
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    log_dir = args.log_dir or args.workdir
-    log_dir.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "vllm": version("vllm"),
-        "method": __doc__,
-        "layers": LAYERS,
-        "input_len": INPUT_LEN,
-        "output_len": OUTPUT_LEN,
-        "concurrency": list(CONCURRENCY),
-        "rounds": ROUNDS,
-        "models": {},
+    from foldckpt.runtime.kernels import gpu_key
+
+    workdir = args.workdir / args.model
+    workdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    dirs = build(args.model, args.workdir / "models")
+    print(f"bench {args.model}: checkpoints built and converted in {time.monotonic() - t0:.0f} s", flush=True)
+    report = json.loads(args.out.read_text()) if args.out.exists() else {}
+    report.update(
+        gpu=torch.cuda.get_device_name(0),
+        gpu_key=gpu_key(torch.device("cuda")),
+        commit=commit(),
+        torch=torch.__version__,
+        vllm=version("vllm"),
+        method=__doc__,
+        input_len=INPUT_LEN,
+        output_len=OUTPUT_LEN,
+        rounds=ROUNDS,
+        full_model_tpot=json.loads(FULL_MODEL_TPOT.read_text()),
+    )
+    models = report.setdefault("models", {})
+    entry = {
+        "layers": MODELS[args.model]["layers"],
+        "mla_layers": MODELS[args.model]["mla_layers"],
+        "geometry": asdict(dims(args.model)),
+        "runs": {},
     }
-    for family in args.models.split(","):
-        dirs = build(family, args.workdir / "models")
-        runs: dict[str, Any] = {}
-        for variant in VARIANTS:  # written after each engine: a timeout keeps what finished
-            runs[variant] = run_variant(family, variant, dirs[variant], args.workdir, log_dir)
-            report["models"][family] = {
-                "geometry": {k: v for k, v in vars(_dims(family)).items()},
-                "runs": runs,
-                "summary": summarize(family, runs),
-            }
-            args.out.write_text(json.dumps(report, indent=1))
-            print(
-                f"bench {family} {variant}: {json.dumps(runs[variant].get('levels', runs[variant]))[:400]}", flush=True
-            )
+    models[args.model] = entry
+    spec = {"model_key": args.model}
+    for variant in VARIANTS:  # written after each engine: a timeout keeps what finished
+        result = run_job("--job", {**spec, "model": str(dirs[variant])}, variant, workdir, engine_env(variant, workdir))
+        stats = workdir / f"{variant}.stats.json"
+        if stats.exists():
+            result["routing_stats"] = json.loads(stats.read_text())
+        if "levels" in result:
+            result["levels"] = [{**level_summary(lv), "rounds": lv["rounds"]} for lv in result["levels"]]
+        entry["runs"][variant] = result
+        args.out.write_text(json.dumps(report, indent=1))
+        brief = [(lv["concurrency"], lv["tpot_ms"]["median"], lv["gpu_step_us"]) for lv in result.get("levels", [])]
+        print(
+            f"bench {args.model} {variant} at {time.monotonic() - t0:.0f} s: {result.get('error') or brief}", flush=True
+        )
+    micro = run_job("--microbench", spec, "microbench", workdir, {**os.environ})
+    entry["microbench"] = micro
+    entry.update(summarize(args.model, entry["runs"], micro))
+    args.out.write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: entry[k] for k in ("aa", "summary")}, indent=1), flush=True)
 
 
 if __name__ == "__main__":

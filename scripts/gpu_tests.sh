@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The GPU suite on the GPU machine, in one device call (at most 10 minutes) or in named parts:
-#   source .vl/unpack.sh && bash scripts/gpu_tests.sh [all | kernels | engine | bench]...
+#   source .vl/unpack.sh && bash scripts/gpu_tests.sh [all | kernels | engine | bench-k3 | bench-ds]...
 # kernels: tests/gpu (fold kernels, fp8, convert --device cuda) and tests/unit's cuda parameters (the
 # exact fold and rounding on a GPU); engine: tests/gpu/engine (real vLLM engines, stock vs plugin,
-# side by side); bench: scripts/bench_engine.py. "all" runs the kernel tests beside the engine tests
-# (they share the GPU; neither times anything), then the benchmark with the time left. What
-# docs/bench keeps lands in $OUT (the device returns it): gpu_tests_<gpu>.txt,
-# gpu_engine_tests_<gpu>.txt, engine_<gpu>.json, plus the engine logs (tgz).
+# side by side); bench-k3 / bench-ds: scripts/bench_engine.py for one full-depth model (about 9
+# minutes each: one device call per model; "all" runs neither). "all" runs the kernel tests beside
+# the engine tests (they share the GPU; neither times anything). What docs/bench keeps lands in
+# $OUT (the device returns it): gpu_tests_<gpu>.txt, gpu_engine_tests_<gpu>.txt, engine_<gpu>.json
+# (a bench run merges into the engine_<gpu>.json it finds in $OUT or docs/bench), engine logs (tgz).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_tests_out}
-BUDGET_S=${GPU_TESTS_BUDGET_S:-520}  # the whole run, unpacking excluded
 ENGINE_S=${GPU_ENGINE_TESTS_S:-320}
 mkdir -p "$OUT"
 GPU=$(python3 -c "import torch; n = torch.cuda.get_device_name(0).lower(); print(next((f'nvidia_{k}' for k in ('h200', 'h100') if k in n), n.replace(' ', '_')))")
@@ -36,12 +36,12 @@ if [ -n "${kernels_pid:-}" ]; then
   wait "$kernels_pid" || status=1
   tail -3 "$OUT/gpu_tests_$GPU.txt"
 fi
-if has bench; then
-  left=$((BUDGET_S - SECONDS))
-  echo "bench: ${left} s left"
-  mkdir -p /tmp/bench-logs
-  timeout "$left" python3 scripts/bench_engine.py --out "$OUT/engine_$GPU.json" --log-dir /tmp/bench-logs ${BENCH_ARGS:-} || status=1
-  tar czf "$OUT/bench_logs.tgz" -C /tmp/bench-logs . 2>/dev/null
-fi
+for model in k3 ds; do
+  [[ " $parts " == *" bench-$model "* ]] || continue
+  [ -f "$OUT/engine_$GPU.json" ] || cp "docs/bench/engine_$GPU.json" "$OUT/" 2>/dev/null
+  timeout 560 python3 scripts/bench_engine.py --model "$model" --out "$OUT/engine_$GPU.json" \
+    --workdir /tmp/bench_engine || status=1
+  (cd /tmp/bench_engine && tar czf "$OUT/bench_logs_$model.tgz" "$model"/*.log) 2>/dev/null
+done
 echo "gpu_tests: $GPU, commit $COMMIT, parts: $parts, ${SECONDS} s, status $status"
 exit $status

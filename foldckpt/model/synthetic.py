@@ -45,6 +45,7 @@ class TinyDims:
     vocab: int = 320
     kda_heads: int = 8  # Kimi-K3 KDA (linear attention) layers: linear_attn_config num_heads, head_dim
     kda_head_dim: int = 32
+    dense_layers: int = 1  # DeepSeek-V3: first_k_dense_replace, the layers with a dense MLP (the real model: 3)
 
 
 FULL_K3_DIMS = TinyDims(hidden=7168, heads=96, q_lora=1536, kv_lora=512, nope=128, rope=64, v_head=128)
@@ -173,7 +174,7 @@ def _deepseek_text_config(d: TinyDims, layers: int, mtp: int) -> dict[str, Any]:
         "topk_group": 1,
         "num_experts_per_tok": 2,
         "moe_layer_freq": 1,
-        "first_k_dense_replace": 1,
+        "first_k_dense_replace": d.dense_layers,
         "norm_topk_prob": True,
         "scoring_func": "sigmoid",
         "hidden_act": "silu",
@@ -202,16 +203,25 @@ def _deepseek_text_config(d: TinyDims, layers: int, mtp: int) -> dict[str, Any]:
 
 
 class _TensorFactory:
-    """Seeded random weights scaled by 1/sqrt(fan_in), so activations stay O(1) through the model."""
+    """Seeded random weights scaled by 1/sqrt(fan_in), so activations stay O(1) through the model.
+    ``device`` draws the linear weights there (a GPU draws a full-depth rank's gigabytes in seconds,
+    a CPU core in minutes); other seeds, other values, the same shapes and scales."""
 
-    def __init__(self, seed: int, dtype: torch.dtype) -> None:
+    def __init__(self, seed: int, dtype: torch.dtype, device: str = "cpu") -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self.device_generator = torch.Generator(device=device).manual_seed(seed) if device != "cpu" else None
+        self.device = device
         self.dtype = dtype
         self.tensors: dict[str, torch.Tensor] = {}
 
     def linear(self, name: str, out_features: int, in_features: int) -> None:
-        weight = torch.randn(out_features, in_features, generator=self.generator) / math.sqrt(in_features)
-        self.tensors[name] = weight.to(self.dtype)
+        if self.device_generator is None:
+            weight = torch.randn(out_features, in_features, generator=self.generator) / math.sqrt(in_features)
+        else:
+            weight = torch.randn(
+                out_features, in_features, generator=self.device_generator, device=self.device
+            ) / math.sqrt(in_features)
+        self.tensors[name] = weight.to(self.dtype).cpu()
 
     def norm(self, name: str, size: int) -> None:
         self.tensors[name] = torch.ones(size, dtype=self.dtype)
@@ -261,7 +271,7 @@ def _deepseek_decoder(f: _TensorFactory, prefix: str, layers: int, mtp: int, d: 
             continue
         f.norm(f"{p}.input_layernorm.weight", d.hidden)
         f.norm(f"{p}.post_attention_layernorm.weight", d.hidden)
-        _deepseek_mlp(f, p, d, dense=i == 0)
+        _deepseek_mlp(f, p, d, dense=i < d.dense_layers)
         if i >= layers:  # DeepSeek MTP block extras
             _mtp_head(f, p, d)
     if not full:
@@ -513,8 +523,10 @@ def make_checkpoint(
     bf16_experts: bool = False,
     vllm_cpu_hybrid: bool = False,
     dims: TinyDims | None = None,
+    device: str = "cpu",
 ) -> Path:
-    """Write a synthetic checkpoint of ``family`` to ``out_dir`` and return it.
+    """Write a synthetic checkpoint of ``family`` to ``out_dir`` and return it; ``device`` is where
+    the linear weights are drawn (``_TensorFactory``).
 
     Kimi-K3 only (defaults: hybrid KDA + MLA, MXFP4 experts, as the real checkpoint):
     ``all_mla`` makes every layer MLA (empty ``kda_layers``, and a top-level ``layer_types`` of
@@ -552,7 +564,7 @@ def make_checkpoint(
     dims = dims or (FULL_K3_DIMS if full_geometry else TinyDims())
     if vllm_cpu_hybrid:
         dims = replace(dims, kda_head_dim=_VLLM_CPU_KDA_HEAD_DIM)
-    factory = _TensorFactory(seed, dtype)
+    factory = _TensorFactory(seed, dtype, device)
     if family == "kimi_k3":
         dims = replace(dims, moe_intermediate=_K3_MOE_INTERMEDIATE)
         layers = 6 if layers is None else layers
