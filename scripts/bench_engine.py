@@ -212,6 +212,7 @@ def engine_job(spec: dict[str, Any]) -> dict[str, Any]:
         max_num_seqs=max(CONCURRENCY),
         gpu_memory_utilization=0.85,
         enable_prefix_caching=False,
+        disable_log_stats=False,  # the per-request timestamps (RequestOutput.metrics) need it
         compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": capture},
         **options,
     )
@@ -435,6 +436,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="engine_<gpu>.json (a model already in it is kept)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench_engine"))
     parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="engines to run, in order (default: all); the model's other runs in --out are kept",
+    )
+    parser.add_argument(
         "--resummarize",
         action="store_true",
         help="no GPU: recompute --model's summary in --out from its runs (after a change to the cited step times)",
@@ -455,7 +461,13 @@ def main() -> None:
     workdir = args.workdir / args.model
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    dirs = build(args.model, args.workdir / "models")
+    models_dir = args.workdir / "models"
+    if all((models_dir / f"{args.model}{suffix}" / "foldckpt.json").exists() for suffix in ("-bf16", "-fp8")):
+        dirs = {
+            v: models_dir / f"{args.model}{'' if v.startswith('stock') else '-' + v.split('_')[0]}" for v in VARIANTS
+        }
+    else:
+        dirs = build(args.model, models_dir)
     print(f"bench {args.model}: checkpoints built and converted in {time.monotonic() - t0:.0f} s", flush=True)
     report = json.loads(args.out.read_text()) if args.out.exists() else {}
     report.update(
@@ -471,15 +483,14 @@ def main() -> None:
         full_model_tpot=json.loads(FULL_MODEL_TPOT.read_text()),
     )
     models = report.setdefault("models", {})
-    entry = {
-        "layers": MODELS[args.model]["layers"],
-        "mla_layers": MODELS[args.model]["mla_layers"],
-        "geometry": asdict(dims(args.model)),
-        "runs": {},
-    }
-    models[args.model] = entry
+    entry = models.setdefault(args.model, {"runs": {}})
+    entry.update(
+        layers=MODELS[args.model]["layers"],
+        mla_layers=MODELS[args.model]["mla_layers"],
+        geometry=asdict(dims(args.model)),
+    )
     spec = {"model_key": args.model}
-    for variant in VARIANTS:  # written after each engine: a timeout keeps what finished
+    for variant in args.variants.split(","):  # written after each engine: a timeout keeps what finished
         result = run_job("--job", {**spec, "model": str(dirs[variant])}, variant, workdir, engine_env(variant, workdir))
         stats = workdir / f"{variant}.stats.json"
         if stats.exists():

@@ -81,14 +81,15 @@ SOURCE_TREE = Path(__file__).resolve().parents[2]
 
 
 def source_commit(tree: Path = SOURCE_TREE) -> str:
-    """The commit of the source tree a table or benchmark figure came from (short): ``git rev-parse``
-    in a checkout, else what the ``GPU_COMMIT`` file of a device copy (a tree without its .git)
-    names, else "unknown". A figure is only worth the code it measured."""
-    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True)
-    if run.returncode == 0:
-        return run.stdout.strip()
+    """The commit of the source tree a table or benchmark figure came from (short): what the
+    ``GPU_COMMIT`` file of a device copy names (written beside the tree that travels: a copy may
+    carry a stale .git), else ``git rev-parse`` in a checkout, else "unknown". A figure is only
+    worth the code it measured."""
     marker = tree / "GPU_COMMIT"
-    return marker.read_text().strip() if marker.exists() else "unknown"
+    if marker.exists():
+        return marker.read_text().strip()
+    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True)
+    return run.stdout.strip() if run.returncode == 0 else "unknown"
 
 
 def parse_heads(text: str) -> tuple[int, ...]:
