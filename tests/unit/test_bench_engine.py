@@ -1,0 +1,70 @@
+"""scripts/bench_engine.py's arithmetic against hand-computed values: the figures the engine
+benchmark reports are only as good as its pairing of rounds, its per-layer division, its A/A
+percentages and its projection (a saving divided by the wrong layer count, or rounds paired across
+concurrencies, would pass unnoticed in a device run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_engine.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(steps: dict[int, list[float]], tpot_ms: float = 10.0) -> dict:
+    """An engine's levels: per concurrency, one round per GPU step time."""
+    return {
+        "levels": [
+            {"concurrency": c, "rounds": [{"tpot_ms": tpot_ms, "gpu_step_us": s, "decode_tok_s": 1.0} for s in gpu]}
+            for c, gpu in steps.items()
+        ]
+    }
+
+
+def test_saving_per_layer_pairs_rounds_and_divides_by_the_mla_layers(bench: ModuleType) -> None:
+    runs = {
+        "stock": _run({1: [10_000.0, 10_010.0, 10_020.0], 14: [12_000.0, 12_000.0, 12_000.0]}),
+        "stock_aa": _run({1: [10_010.0, 10_010.0, 10_010.0], 14: [12_012.0, 12_012.0, 12_012.0]}),
+        "fp8": _run({1: [9_976.0, 9_962.0, 9_972.0], 14: [12_048.0, 12_048.0, 12_048.0]}),
+    }
+    micro = {
+        "levels": [
+            {"concurrency": 1, "stock_us": 9.0, "fp8_us": 7.0},
+            {"concurrency": 14, "stock_us": 9.0, "fp8_us": 8.5},
+        ]
+    }
+    out = bench.summarize("k3", runs, micro)
+    # Kimi-K3: 24 MLA layers. Round pairs at c=1 save 24, 48, 48 µs: 1, 2, 2 µs per layer.
+    [c1, c14] = out["summary"]["fp8"]
+    assert c1["saving_per_mla_layer_step_us"] == {"median": 2.0, "min": 1.0, "max": 2.0}
+    assert c14["saving_per_mla_layer_step_us"]["median"] == pytest.approx(-2.0)
+    assert c1["microbench_saving_us"] == 2.0 and c14["microbench_saving_us"] == 0.5
+    cited = json.loads(bench.FULL_MODEL_TPOT.read_text())["k3"]
+    assert c1["projected_full_model_gain_pct"] == pytest.approx(
+        100 * 2.0 * cited["mla_layers"] / (1e3 * cited["tpot_ms"]["1"])
+    )
+    # A/A: the second stock engine against the first, in percent of the first's medians.
+    assert out["aa"][0]["gpu_step_diff_pct"] == pytest.approx(0.0)
+    assert out["aa"][1]["gpu_step_diff_pct"] == pytest.approx(0.1)
+    assert set(out["summary"]) == {"fp8"}, "variants that did not run have no summary"
+
+
+def test_a_run_is_gpu_bound_when_its_gpu_step_is_most_of_its_tpot(bench: ModuleType) -> None:
+    bound = bench.level_summary(_run({1: [8_100.0]}, tpot_ms=10.0)["levels"][0])
+    loose = bench.level_summary(_run({1: [7_900.0]}, tpot_ms=10.0)["levels"][0])
+    assert bound["gpu_bound"] and not loose["gpu_bound"]
