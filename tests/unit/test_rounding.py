@@ -16,7 +16,7 @@ import torch
 
 from foldckpt.fold import fold_layer, fold_layer_fp8, quantize_fp8_rows
 from foldckpt.model.geometry import Geometry, MLALayer
-from foldckpt.rounding import _narrow_suspects, round_exact_products_into, round_to_nearest_even
+from foldckpt.rounding import _fp32_suspects, _narrow_suspects, round_exact_products_into, round_to_nearest_even
 
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -380,3 +380,45 @@ def test_integer_rounding_is_the_exact_value_rounded_once(dtype: torch.dtype) ->
         expected = correctly_rounded(_scaled(m, k), dtype)
         assert got.view(BITS[dtype]) == expected.view(BITS[dtype]), (m, k, got.item(), expected.item())
     assert round_to_nearest_even(3, -26, torch.float16) == 2.0**-24  # up to the least subnormal, not 3·2^-26
+
+
+FP32_MAX = torch.finfo(torch.float32).max
+FP32_OVERFLOW = 2.0**128 - 2.0**103  # half an ulp past the largest value: from there on, +inf
+ODD = 1 + 2.0**-23  # an fp32 value with an odd significand: a tie next to it rounds to its even neighbour
+# (x, β) against the fp32 cell test, r = fp32(x), each x exact in fp64: [x - β, x + β] touching the
+# midpoint above or below an odd r, or the overflow threshold, from inside (the cell test must
+# leave each to the settlement: a sum on that end rounds to r's neighbour or to ±inf), then the same
+# intervals one fp64 step inside (the cell certifies them) and intervals well inside.
+CELL_EDGES = (
+    (ODD + 2.0**-24 - 2.0**-30, 2.0**-30),
+    (ODD - 2.0**-24 + 2.0**-30, 2.0**-30),
+    (-(ODD + 2.0**-24 - 2.0**-30), 2.0**-30),
+    (FP32_OVERFLOW - 2.0**90, 2.0**90),
+    (-(FP32_OVERFLOW - 2.0**90), 2.0**90),
+    (math.nextafter(ODD + 2.0**-24 - 2.0**-30, 0), 2.0**-30),
+    (math.nextafter(ODD - 2.0**-24 + 2.0**-30, 2), 2.0**-30),
+    (math.nextafter(FP32_OVERFLOW - 2.0**90, 0), 2.0**90),
+    (ODD, 2.0**-40),
+    (FP32_MAX, 2.0**90),
+    (1.0, 0.0),
+)
+
+
+def test_the_fp32_cell_test_certifies_only_intervals_strictly_inside_the_cell() -> None:
+    """``_fp32_suspects`` (the fp8 fold's fp32 rounding, the module's step 3) on intervals that
+    touch a rounding boundary of fp32: every element it certifies has both ends of ``[x - β,
+    x + β]`` rounding to ``r`` in the Fraction reference (so does everything between them), and the
+    intervals one fp64 step inside are certified (the test is no blanket refusal). Kills: ``x + β <=``
+    or ``x - β >=`` the midpoint (an interval ending on the tie next to an odd ``r``, where ``e``
+    rounds to the neighbour), and the overflow threshold placed one binade too high (2^129)."""
+    x = torch.tensor([[[value] for value, _ in CELL_EDGES]], dtype=torch.float64)
+    beta = torch.tensor([[bound for _, bound in CELL_EDGES]], dtype=torch.float64)
+    r = x.to(torch.float32)
+    flagged = {row for _, row, _ in _fp32_suspects(x, r, beta, torch.zeros_like(x, dtype=torch.bool)).tolist()}
+    unsound = set()  # where some value of [x - β, x + β] does not round to r
+    for row, (value, bound) in enumerate(CELL_EDGES):
+        ends = (correctly_rounded(Fraction(value) + sign * Fraction(bound), torch.float32) for sign in (-1, 1))
+        if any(end.view(torch.int32) != r[0, row, 0].view(torch.int32) for end in ends):
+            unsound.add(row)
+    assert unsound == {0, 1, 2, 3, 4}  # the premise: the first five are the edges
+    assert flagged == unsound
