@@ -422,3 +422,35 @@ def test_the_fp32_cell_test_certifies_only_intervals_strictly_inside_the_cell() 
             unsound.add(row)
     assert unsound == {0, 1, 2, 3, 4}  # the premise: the first five are the edges
     assert flagged == unsound
+
+
+def _one_bit_too_wide(dtype: torch.dtype, scale: int = -40) -> tuple[torch.Tensor, torch.Tensor]:
+    """One head's ``a_t [1, 4, 1]`` and ``b [1, 4, 1]`` (bf16) whose products are multiples of
+    ``2^scale`` and sum to ``2^(53+scale) + h + 2^scale``, ``h`` half a ``dtype`` ulp of the first
+    term: ``Σ|a_p·b_p| < 2^(54+scale)``, one bit more than fp64 holds on that grid. The row's and
+    the column's smallest factors (±254, 255: all 8 bits used) put the lowest bit the fold assumes
+    on that grid exactly. Every order of fp64 additions drops the ``2^scale`` (a tie, to even) and
+    lands on the ``dtype`` tie ``2^(53+scale) + h``, which rounds down to even; the exact sum is
+    past it and rounds up."""
+    half = 53 - significand_bits(dtype)  # log2 of h, before scaling
+    a = [2.0 ** (26 + scale), 2.0 ** (half - 15 + scale), -254 * 2.0**scale, 255 * 2.0**scale]
+    b = [2.0**27, 2.0**15, 256.0, 255.0]  # products 2^(53+s), h, -65024·2^s, 65025·2^s
+    return torch.tensor(a).view(1, 4, 1).to(torch.bfloat16), torch.tensor(b).view(1, 4, 1).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_sum_one_bit_too_wide_for_fp64_is_not_taken_as_exact(out_dtype: torch.dtype) -> None:
+    """The exactness test (the module's step 4; ``_exact_grid`` in the fp32 bulk test,
+    ``_exact_in_fp64`` among the suspects) at its edge: products on a grid ``2^q`` whose sum needs
+    54 bits. Taken as exact, the fold would be the fp64 sum rounded, which is wrong here; the
+    element must be the Fraction sum rounded once. Kills: ``+ 54`` in ``_exact_in_fp64``, ``- 54``
+    in ``_exact_grid``, and a lowest bit one above the inputs' (``exponent - bits + 1``)."""
+    a_t, b = _one_bit_too_wide(out_dtype)
+    terms = zip(a_t.flatten().tolist(), b.flatten().tolist(), strict=True)
+    exact = sum((Fraction(left) * Fraction(right) for left, right in terms), Fraction(0))
+    expected = correctly_rounded(exact, out_dtype).view(BITS[out_dtype])
+    fp64 = torch.bmm(a_t.double().transpose(1, 2), b.double()).item()
+    assert correctly_rounded(Fraction(fp64), out_dtype).view(BITS[out_dtype]) != expected  # the premise
+    out = torch.empty(1, 1, 1, dtype=out_dtype)
+    round_exact_products_into(out, a_t, b, {})
+    assert out[0, 0, 0].view(BITS[out_dtype]) == expected, (out.item(), float(exact))
