@@ -16,7 +16,13 @@ import torch
 
 from foldckpt.fold import fold_layer, fold_layer_fp8, quantize_fp8_rows
 from foldckpt.model.geometry import Geometry, MLALayer
-from foldckpt.rounding import _fp32_suspects, _narrow_suspects, round_exact_products_into, round_to_nearest_even
+from foldckpt.rounding import (
+    _bound_factor,
+    _fp32_suspects,
+    _narrow_suspects,
+    round_exact_products_into,
+    round_to_nearest_even,
+)
 
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -454,3 +460,24 @@ def test_a_sum_one_bit_too_wide_for_fp64_is_not_taken_as_exact(out_dtype: torch.
     out = torch.empty(1, 1, 1, dtype=out_dtype)
     round_exact_products_into(out, a_t, b, {})
     assert out[0, 0, 0].view(BITS[out_dtype]) == expected, (out.item(), float(exact))
+
+
+@pytest.mark.parametrize("p", [3, 16, 128, 1024])
+def test_the_bound_covers_twice_the_error_of_the_worst_summation_order(p: int) -> None:
+    """``β = _bound_factor(P)·S`` against the error of a summation order that reaches Higham's
+    worst case: 1, then ``P - 1`` products of ``2^-53·(1 + 2^-7)``, added one by one in fp64, each
+    addition rounding up by almost half an ulp, ``(P-1)·u·S`` in all. The module's step 2 budgets β
+    for twice that error plus the rounding of ``x ± β`` (``u·(|x| + β)``); the error is measured
+    against the Fraction sum. Kills ``1·P·u``: it still exceeds ``γ(P-1)``, so no wrong fold
+    follows from it alone, but it leaves none of the margin the module's proof budgets for."""
+    terms = [1.0] + [2.0**-53 * (1 + 2.0**-7)] * (p - 1)  # bf16 products: each is itself times 1.0
+    x = 0.0
+    for term in terms:
+        x += term
+    exact = sum(map(Fraction, terms), Fraction(0))  # = S: every term is positive
+    error = abs(Fraction(x) - exact)
+    u = Fraction(2) ** -53
+    assert error > Fraction(99, 100) * (p - 1) * u * exact  # the premise: the worst order, nearly
+    assert error <= (p - 1) * u / (1 - (p - 1) * u) * exact  # Higham's γ(P-1)·S
+    beta = Fraction(_bound_factor(p)) * exact
+    assert 2 * error + u * (abs(Fraction(x)) + beta) <= beta
