@@ -3,7 +3,7 @@
 Test fixture (``test_routed_attention.py``). A process of its own: vLLM's distributed state and the
 plugin's custom op stay out of pytest, and Kimi-K3's MLA needs the CPU kernel substitutes of
 ``tests/e2e/k3_cpu_kernels.py`` in ``torch.ops._C`` (installed before the first vllm import), which
-pytest must not get. IN (safetensors) holds every token's ``q_c``,
+neither pytest nor a DeepSeek-V3 layer must get. IN (safetensors) holds every token's ``q_c``,
 ``kv_c_normed`` and ``k_pe``, and in its metadata the converted ``model`` directory, its ``family``
 and the ``steps`` (JSON: per batch, ``[request, new tokens]`` pairs). The job builds the layer on
 that directory (weights loaded and post-processed by vLLM's own loader helpers, a KV cache each),
@@ -11,10 +11,18 @@ builds each batch's attention metadata with the CPU_MLA backend's own builder, r
 a real forward context and writes each output to OUT as ``{name}.{step}``:
 
 - ``kimi_k3``: vLLM's ``MultiHeadLatentAttention`` (``stock``: its ``_attention``) and
-  :class:`FoldedKimiK3MLA` (``folded``: its ``_routed_attention``).
+  :class:`FoldedKimiK3MLA` (``folded``: its ``_routed_attention``);
+- ``deepseek_v3``: vLLM's ``DeepseekV2MLAAttention``, whose generic MLA wrapper the plugin replaced
+  with :class:`FoldedMLAWrapper` (``folded``: the routed op, called as the wrapper calls it).
 
 Request r's token at position p is input row r * BLOCK + p and lives in cache block r; decode rows
-come first, as vLLM's reorder puts them. The routing counters land in ``$FOLDCKPT_STATS_FILE``.
+come first, as vLLM's reorder puts them. A request's first batch is its prefill, also when its
+prompt is one token: vLLM sends such a row down the prefill path where short extends are prefills
+(``treat_short_extends_as_decodes=False``, the builder's split under prefill context parallelism) or
+where decode queries must be uniform and longer (MTP drafts on FlashMLA or Triton MLA, GPU only).
+CPU_MLA's decode kernel takes one query token per request, so the builder gets the first split by
+its own switch (``use_pcp``, which nothing else in its ``build`` reads). The routing counters land
+in ``$FOLDCKPT_STATS_FILE``.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from foldckpt.io.safetensors_format import read_header
 
 # The manifest's first MLA layer of each family (it counts the steps), as the checkpoint names it.
-LAYERS = {KIMI_K3: "language_model.model.layers.0.self_attn"}
+LAYERS = {KIMI_K3: "language_model.model.layers.0.self_attn", "deepseek_v3": "model.layers.0.self_attn"}
 STOCK = "stock.layers.0.self_attn"
 BLOCK = 16
 CACHE_BLOCKS = 8
@@ -98,7 +106,36 @@ def _kimi_k3(config: VllmConfig) -> Built:
     return Built(modules, {"stock": run_stock, "folded": run_folded}, {STOCK: stock, LAYERS[KIMI_K3]: folded})
 
 
-FAMILIES: dict[str, Callable[[VllmConfig], Built]] = {KIMI_K3: _kimi_k3}
+def _deepseek_v3(config: VllmConfig) -> Built:
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLAAttention
+
+    from foldckpt.runtime.mla_fold import FoldedMLAWrapper
+
+    text = config.model_config.hf_text_config
+    layer = DeepseekV2MLAAttention(
+        vllm_config=config,
+        config=text,
+        hidden_size=text.hidden_size,
+        num_heads=text.num_attention_heads,
+        qk_nope_head_dim=text.qk_nope_head_dim,
+        qk_rope_head_dim=text.qk_rope_head_dim,
+        v_head_dim=text.v_head_dim,
+        q_lora_rank=text.q_lora_rank,
+        kv_lora_rank=text.kv_lora_rank,
+        max_position_embeddings=text.max_position_embeddings,
+        cache_config=config.cache_config,
+        prefix=LAYERS["deepseek_v3"],
+    )
+    wrapper = layer.mla_attn
+    assert isinstance(wrapper, FoldedMLAWrapper) and wrapper.fold is not None, "the layer was not folded"
+
+    def run_folded(positions: torch.Tensor, q_c: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        return wrapper._call_op(q_c, positions, kv_c, k_pe.unsqueeze(1), len(q_c), None)  # as its forward does
+
+    return Built(layer, {"folded": run_folded}, {wrapper.mla_attn.layer_name: wrapper.mla_attn})
+
+
+FAMILIES: dict[str, Callable[[VllmConfig], Built]] = {KIMI_K3: _kimi_k3, "deepseek_v3": _deepseek_v3}
 
 
 def _load(module: torch.nn.Module, model: Path, layer: str) -> None:
@@ -134,6 +171,7 @@ def _metadata(builder: Any, batch: list[list[int]], done: list[int]) -> tuple[An
         block_table_tensor=torch.tensor([[request] for request, _ in batch], dtype=torch.int32),
         slot_mapping=rows.to(torch.int64),
         seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=torch.int32),
+        is_prefilling=torch.tensor([done[request] == 0 for request, _ in batch]),
     )
     return builder.build(common_prefix_len=0, common_attn_metadata=common), positions, rows
 
@@ -168,6 +206,7 @@ def main(inputs_path: Path, out_path: Path) -> None:
         first = next(iter(built.attention.values()))
         builder_cls = first.attn_backend.get_builder_cls()
         builder = builder_cls(first.get_kv_cache_spec(config), list(built.attention), config, torch.device("cpu"))
+        builder.use_pcp = True  # a one-token prompt is a prefill (the module docstring says why)
 
         outputs, done = {}, [0] * CACHE_BLOCKS
         for step, batch in enumerate(steps):

@@ -1,18 +1,23 @@
 """The folded MLA layers' routed attention on real batches, against fp64.
 
 The e2e engines judge the routed decode through a tiny random model's greedy tokens and a stats
-file written by a whole engine; here one real layer (vLLM's classes, built on a converted
-directory, its weights and the fold loaded by vLLM's own post-processing, a real KV cache and the
-CPU_MLA backend's own metadata builder: ``mla_attention_job.py``) runs chosen batches, and every
-output row is held to an MLA attention written here in fp64 from the checkpoint's q_b_proj and
-kv_b_proj, and the routing counters to the rows each path took.
+file written by a whole engine, with prefills of hundreds of rows; here one real layer (vLLM's
+classes, built on a converted directory, its weights and the fold loaded by vLLM's own
+post-processing, a real KV cache and the CPU_MLA backend's own metadata builder:
+``mla_attention_job.py``) runs chosen batches, and every output row is held to an MLA attention
+written here in fp64 from the checkpoint's q_b_proj and kv_b_proj (and, for DeepSeek-V3, its YaRN
+RoPE and softmax scale from config.json), and the routing counters to the rows each path took.
 
 - Kimi-K3 (``FoldedKimiK3MLA._routed_attention``): a prefill batch, a mixed batch the pre-route
   splits and a decode batch, stock vLLM's ``_attention`` beside it (which checks the reference).
+- DeepSeek-V3 (the generic wrapper, ``FoldedMLAWrapper``, through its op): a mixed batch whose
+  prefill is ONE row (a one-token prompt beside two decodes: total == decode + 1), then a decode
+  batch in which that request reads the key its prefill row cached.
 
 Which bugs fail it: ql_nope and q_pe swapped into ``_decode_concat_cache`` (both views fit the
-CPU kernel), decode rows' cache slots shifted, prefill rows of a mixed batch left unwritten ->
-the output check; decode rows counted as the whole batch (``total``), in either branch -> the
+CPU kernel), decode rows' cache slots shifted, prefill rows of a mixed batch left unwritten, a
+single prefill row left without its query (``prefill_rows(decode, total) if total > decode + 1``)
+-> the output check; decode rows counted as the whole batch (``total``), in either branch -> the
 counter check.
 """
 
@@ -20,10 +25,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,6 +52,8 @@ pytestmark = [
 JOB = Path(__file__).with_name("mla_attention_job.py")
 REPO = Path(__file__).resolve().parent.parent.parent
 BLOCK = 16  # mla_attention_job.BLOCK: request r's token at position p is input row r * BLOCK + p
+# (positions [n], x [n, ..., R]) -> x rotated, in fp64.
+Rope = Callable[[list[int], torch.Tensor], torch.Tensor]
 
 
 def fp64_mla(
@@ -55,17 +65,60 @@ def fp64_mla(
     k_pe: torch.Tensor,
     rows: list[int],
     context: list[int],
+    rope: Rope | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Causal NoPE MLA of the query rows ``rows`` over the key rows ``context`` (earlier positions
-    of the same request, and itself), per head, in fp64; ``[len(rows), H*V]``."""
+    """Causal MLA of the query rows ``rows`` over the key rows ``context`` (earlier positions of
+    the same request, and itself), per head, in fp64; ``[len(rows), H*V]``. ``rope`` rotates the
+    queries' and keys' last R dimensions by position (none: NoPE); ``scale`` is the softmax scale
+    (default ``(P + R)^-0.5``)."""
     p, r, v, h = g.qk_nope_head_dim, g.qk_rope_head_dim, g.v_head_dim, g.num_heads
     q = (q_c[rows].double() @ q_b.double().T).view(len(rows), h, p + r)
     kv = (kv_c[context].double() @ kv_b.double().T).view(len(context), h, p + v)
-    k = torch.cat([kv[..., :p], k_pe[context].double().unsqueeze(1).expand(-1, h, -1)], dim=-1)
-    scores = torch.einsum("thd,shd->hts", q, k) * (p + r) ** -0.5
+    key_pe = k_pe[context].double()
+    if rope is not None:
+        q = torch.cat([q[..., :p], rope([row % BLOCK for row in rows], q[..., p:])], dim=-1)
+        key_pe = rope([row % BLOCK for row in context], key_pe)
+    k = torch.cat([kv[..., :p], key_pe.unsqueeze(1).expand(-1, h, -1)], dim=-1)
+    scores = torch.einsum("thd,shd->hts", q, k) * (scale if scale is not None else (p + r) ** -0.5)
     causal = torch.tensor([[s <= t for s in context] for t in rows])
     weights = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
     return torch.einsum("hts,shd->thd", weights, kv[..., p:]).reshape(len(rows), h * v)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def deepseek_yarn(config: dict[str, Any]) -> tuple[Rope, float]:
+    """DeepSeek-V3's YaRN RoPE and its softmax scale, in fp64, from a config.json's rope settings,
+    as DeepSeek's reference modeling code defines them: per pair of dimensions (2i, 2i+1), the
+    frequency ramps from ``base^(-2i/R)`` where a pair turns ``beta_fast`` times or more over the
+    original context to that divided by ``factor`` where it turns ``beta_slow`` times or fewer;
+    cos and sin carry ``mscale(mscale) / mscale(mscale_all_dim)``, and the softmax scale is ``(P +
+    R)^-0.5·mscale(mscale_all_dim)²``. Pairs rotate as (x_2i, x_2i+1), DeepSeek's interleaved
+    layout."""
+    yarn, dim, base = config["rope_scaling"], config["qk_rope_head_dim"], config["rope_theta"]
+    factor, original = yarn["factor"], yarn["original_max_position_embeddings"]
+
+    def dimension(turns: float) -> float:
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(dimension(yarn["beta_fast"])), 0), min(math.ceil(dimension(yarn["beta_slow"])), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolated = base ** -(torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    frequency = extrapolated / factor * ramp + extrapolated * (1 - ramp)
+    magnitude = _yarn_mscale(factor, yarn["mscale"]) / _yarn_mscale(factor, yarn["mscale_all_dim"])
+
+    def rope(positions: list[int], x: torch.Tensor) -> torch.Tensor:
+        angle = torch.tensor(positions, dtype=torch.float64).unsqueeze(1) * frequency
+        shape = (len(positions),) + (1,) * (x.dim() - 2) + (dim // 2,)
+        cos, sin = (angle.cos() * magnitude).view(shape), (angle.sin() * magnitude).view(shape)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+
+    scale = (config["qk_nope_head_dim"] + dim) ** -0.5 * _yarn_mscale(factor, yarn["mscale_all_dim"]) ** 2
+    return rope, scale
 
 
 def _run_layer(
@@ -100,6 +153,8 @@ def _assert_matches_fp64(
     inputs: dict[str, torch.Tensor],
     outputs: dict[str, torch.Tensor],
     paths: tuple[str, ...],
+    rope: Rope | None = None,
+    scale: float | None = None,
 ) -> None:
     """Every output row of every step and path against :func:`fp64_mla`: each request's rows of a
     batch attend over its rows so far (that batch's included)."""
@@ -122,6 +177,8 @@ def _assert_matches_fp64(
                     inputs["k_pe"],
                     [row for row in rows if row // BLOCK == req],
                     [req * BLOCK + pos for pos in range(done[req])],
+                    rope,
+                    scale,
                 )
                 for req, _ in batch
             ]
@@ -163,6 +220,23 @@ def test_routed_attention_matches_fp64_and_counts_what_each_path_took(converted:
     _assert_matches_fp64(out_dir, steps, inputs, outputs, ("stock", "folded"))
     # Step 0 prefill only (q_b_proj); step 1: 2 decode rows folded beside a 6-row prefill; step 2: 3 decodes folded.
     assert _routing(counts) == (2 + 3, 0, 5 + 7 + 6, 1)
+
+
+def test_a_one_row_prefill_beside_decodes_gets_its_query_on_the_generic_wrapper(
+    converted: Converted, tmp_path: Path
+) -> None:
+    """DeepSeek-V3 (vLLM's generic MLA wrapper, folded): two prefills; two decodes beside a third
+    request's one-token prompt, a mixed batch with exactly one prefill row (``total == decode +
+    1``); then three decodes, the third reading the key that prefill row cached. Every row against
+    fp64 with DeepSeek-V3's YaRN RoPE. A wrapper that leaves a lone prefill row without its
+    q_b_proj query and MHA prefill leaves its output unwritten and its cached key unset."""
+    _, out_dir = converted("deepseek_v3", ConvertOptions(progress=False, fold_dtype="float32"), dtype=torch.float32)
+    steps = [[(0, 5), (1, 7)], [(0, 1), (1, 1), (2, 1)], [(0, 1), (1, 1), (2, 1)]]
+    inputs, outputs, counts = _run_layer(out_dir, "deepseek_v3", steps, tmp_path)
+    rope, scale = deepseek_yarn(json.loads((out_dir / "config.json").read_text()))
+    _assert_matches_fp64(out_dir, steps, inputs, outputs, ("folded",), rope, scale)
+    # Step 0 prefill only; step 1: 2 decode rows folded beside the 1-row prefill; step 2: 3 decodes folded.
+    assert _routing(counts) == (2 + 3, 0, 5 + 7 + 1, 1)
 
 
 def _tensor(out_dir: Path, name: str) -> torch.Tensor:
