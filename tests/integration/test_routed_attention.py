@@ -8,11 +8,12 @@ post-processing, a real KV cache and the CPU_MLA backend's own metadata builder:
 written here in fp64 from the checkpoint's q_b_proj and kv_b_proj (and, for DeepSeek-V3, its YaRN
 RoPE and softmax scale from config.json), and the routing counters to the rows each path took.
 
-- Kimi-K3 (``FoldedKimiK3MLA._routed_attention``): a prefill batch, a mixed batch the pre-route
-  splits and a decode batch, stock vLLM's ``_attention`` beside it (which checks the reference).
+- Kimi-K3 (``FoldedKimiK3MLA._routed_attention``): a prefill batch, mixed batches the pre-route
+  splits (one with a prefill of ONE row, a one-token prompt beside decodes: total == decode + 1)
+  and a decode batch, stock vLLM's ``_attention`` beside it (which checks the reference).
 - DeepSeek-V3 (the generic wrapper, ``FoldedMLAWrapper``, through its op): a mixed batch whose
-  prefill is ONE row (a one-token prompt beside two decodes: total == decode + 1), then a decode
-  batch in which that request reads the key its prefill row cached.
+  prefill is ONE row, then a decode batch in which that request reads the key its prefill row
+  cached.
 
 Which bugs fail it: ql_nope and q_pe swapped into ``_decode_concat_cache`` (both views fit the
 CPU kernel), decode rows' cache slots shifted, prefill rows of a mixed batch left unwritten, a
@@ -206,7 +207,8 @@ def _routing(counts: dict[str, int]) -> tuple[int, int, int, int]:
 
 def test_routed_attention_matches_fp64_and_counts_what_each_path_took(converted: Converted, tmp_path: Path) -> None:
     """Kimi-K3: two prefills; two decodes beside a third request's prefill (the pre-route splits
-    it); three decodes."""
+    it); three decodes beside a fourth request's one-token prompt (one prefill row: total ==
+    decode + 1); four decodes."""
     _, out_dir = converted(
         "kimi_k3",
         ConvertOptions(progress=False, fold_dtype="float32"),
@@ -215,11 +217,17 @@ def test_routed_attention_matches_fp64_and_counts_what_each_path_took(converted:
         bf16_experts=True,
         dtype=torch.float32,
     )
-    steps = [[(0, 5), (1, 7)], [(0, 1), (1, 1), (2, 6)], [(0, 1), (1, 1), (2, 1)]]
+    steps = [
+        [(0, 5), (1, 7)],
+        [(0, 1), (1, 1), (2, 6)],
+        [(0, 1), (1, 1), (2, 1), (3, 1)],
+        [(0, 1), (1, 1), (2, 1), (3, 1)],
+    ]
     inputs, outputs, counts = _run_layer(out_dir, "kimi_k3", steps, tmp_path)
     _assert_matches_fp64(out_dir, steps, inputs, outputs, ("stock", "folded"))
-    # Step 0 prefill only (q_b_proj); step 1: 2 decode rows folded beside a 6-row prefill; step 2: 3 decodes folded.
-    assert _routing(counts) == (2 + 3, 0, 5 + 7 + 6, 1)
+    # Step 0 prefill only (q_b_proj); steps 1 and 2: 2 and 3 decode rows folded beside a 6-row and a
+    # 1-row prefill; step 3: 4 decodes folded.
+    assert _routing(counts) == (2 + 3 + 4, 0, 5 + 7 + 6 + 1, 2)
 
 
 def test_a_one_row_prefill_beside_decodes_gets_its_query_on_the_generic_wrapper(
