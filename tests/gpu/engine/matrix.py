@@ -10,6 +10,11 @@ plugin runs of one model would otherwise share compiled graphs keyed by the same
 
 Stock runs see vLLM alone: ``PYTHONPATH=$VLLM_STOCK_PATH`` on the GPU machine (``unpack.sh``: the
 plugin's entry point is not even installed there) and ``VLLM_PLUGINS=""`` everywhere.
+
+A teacher-forced run (``Job.force_from``) is fed another run's greedy tokens, so it starts once that
+run has finished: the runner submits the source first and the forced run then waits for it (the
+pool takes jobs in submission order, so the source is running or done by then: no deadlock, at
+any ``FOLDCKPT_GPU_ENGINES``).
 """
 
 from __future__ import annotations
@@ -77,6 +82,9 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)
     spec: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    # The run whose greedy tokens this one is teacher-forced with (engine_job's ``force``): its
+    # logprobs are then the model's own at every step of the source's context, ties or not.
+    force_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -229,7 +237,8 @@ def stats_path(workdir: Path, name: str) -> Path:
     return workdir / f"{name}.stats.json"
 
 
-def spec_of(job: Job, model_dir: Path) -> dict[str, Any]:
+def spec_of(job: Job, model_dir: Path, force: list[list[int]] | None = None) -> dict[str, Any]:
+    """``job``'s engine_job spec on ``model_dir``, teacher-forced with ``force`` (per prompt) if given."""
     eager, compilation = MODES[job.mode]
     dtype = "float32" if job.model == "ds-fp32" else "bfloat16"
     options = {"gpu_memory_utilization": 0.08, "kv_cache_memory_bytes": KV_CACHE_BYTES, **job.options}
@@ -241,17 +250,19 @@ def spec_of(job: Job, model_dir: Path) -> dict[str, Any]:
         logprobs=LOGPROBS,
         prompts=SHORT_PROMPTS if job.prompts == "short" else LONG_PROMPTS,
         max_tokens=MAX_TOKENS,
+        force=force,
         spec_extra={**extra, **job.spec},
     )
 
 
-def run_one(workdir: Path, root: Path, name: str) -> JobResult:
-    """Build what ``name`` serves, run its engine, collect what it left."""
+def run_one(workdir: Path, root: Path, name: str, force: list[list[int]] | None = None) -> JobResult:
+    """Build what ``name`` serves, run its engine (teacher-forced with ``force``), collect what it left."""
     job = JOBS[name]
     started = time.monotonic()
     model_dir = model(root, job.model)
     stats_path(workdir, name).unlink(missing_ok=True)
-    proc = run_job(workdir, name, spec_of(job, model_dir), gpu_env(job, workdir, name), timeout=JOB_TIMEOUT_S)
+    spec = spec_of(job, model_dir, force)
+    proc = run_job(workdir, name, spec, gpu_env(job, workdir, name), timeout=JOB_TIMEOUT_S)
     log = proc.stdout + proc.stderr
     (workdir / f"{name}.log").write_text(log)
     out = workdir / f"{name}.out.json"
@@ -260,11 +271,11 @@ def run_one(workdir: Path, root: Path, name: str) -> JobResult:
     return JobResult(name, proc.returncode, log, result, stats, time.monotonic() - started)
 
 
-def _safe(workdir: Path, root: Path, name: str) -> JobResult:
+def _safe(workdir: Path, root: Path, name: str, force: list[list[int]] | None = None) -> JobResult:
     try:
         if name == SERVER:
             return serve_and_query(workdir, model(root, "ds-bf16"))
-        return run_one(workdir, root, name)
+        return run_one(workdir, root, name, force)
     except (subprocess.TimeoutExpired, OSError, ValueError) as exc:
         return JobResult(name, -1, f"{type(exc).__name__}: {exc}", None, None, 0.0)
 
@@ -281,8 +292,24 @@ class Matrix:
                 self.submit(name)
 
     def submit(self, name: str) -> None:
-        if name not in self._futures:
-            self._futures[name] = self._pool.submit(_safe, self.workdir, self.root, name)
+        if name in self._futures:
+            return
+        source = JOBS[name].force_from if name in JOBS else None
+        if source is not None:
+            self.submit(source)  # first: see the module docstring
+        self._futures[name] = self._pool.submit(self._run, name, source)
+
+    def _run(self, name: str, source: str | None) -> JobResult:
+        """``name``'s run; a forced one waits for its source's tokens, and does not start (a failed
+        result naming the source) where the source generated none."""
+        if source is None:
+            return _safe(self.workdir, self.root, name)
+        forced_with = self._futures[source].result()
+        if forced_with.result is None:
+            return JobResult(
+                name, -1, f"not started: {source}, whose tokens it is forced with, failed", None, None, 0.0
+            )
+        return _safe(self.workdir, self.root, name, forced_with.tokens)
 
     def __getitem__(self, name: str) -> JobResult:
         self.submit(name)
