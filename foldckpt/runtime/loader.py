@@ -9,6 +9,17 @@ exactly its folds, and ``config.json`` gives exactly its geometry. A defect anyw
 engine with a :class:`FoldckptError` naming the file (and tensor), so a model is folded completely
 or not at all.
 
+The source files are not hashed here, even when ``FOLDCKPT_EXPECT_MANIFEST_SHA256`` pins the
+manifest: of each source file (weight shards, ``config.json``, tokenizer, any other file carried
+over from the model) the plugin checks only that it exists with the size the manifest records, and
+of ``config.json`` also the geometry. Their sha256 in the manifest is recomputed by ``foldckpt
+verify`` (level ``content`` and up) alone. The pin proves which manifest serves, not that the
+files it lists still hold their bytes: a source rewritten or replaced at the same size is served as
+it is. The one exception is what each fold was made from: a folded layer's ``q_b_proj`` and
+``kv_b_proj`` (and their fp8 block scales) are hashed against their BLAKE3 in the manifest before
+its fold loads (:meth:`FoldSet.read_rows`). Hashing every source at every engine start would read
+the whole model once more on each rank; run ``verify`` where that check matters, before serving.
+
 An entry the manifest does not list stops the engine too, as ``verify`` fails on it, rather than a
 warning in a log few read: vLLM and transformers read more of the directory than the weights (a
 ``chat_template.jinja``, a tokenizer, ``modeling_*.py`` under ``trust_remote_code``), so an added
