@@ -21,24 +21,29 @@ mkdir -p -- "$WORK"
 : > "$WORK/$MARK"
 bash scripts/setup_venv.sh
 VENV="${FOLDCKPT_VENV:-.venv}"
-FOLDCKPT="$VENV/bin/foldckpt"
+# The venv's bin/ first on PATH, as `source $VENV/bin/activate` puts it: each command is printed as
+# a user types it once the venv is active (the README's examples), and runs exactly that way.
+VENV_BIN="$(cd -- "$VENV/bin" && pwd)"
+export PATH="$VENV_BIN:$PATH"
 MODEL="$WORK/kimi-k3-tiny"
 OUT="$WORK/kimi-k3-tiny-folded"
-step() { printf '\n\033[1m== %s\033[0m\n$ %s\n' "$1" "${*:2}"; "${@:2}"; }
+# Bold titles on a terminal only: `scripts/demo.sh > demo.log` must not write escape codes.
+if [ -t 1 ]; then BOLD=$'\033[1m' PLAIN=$'\033[0m'; else BOLD="" PLAIN=""; fi
+title() { printf '\n%s== %s%s\n' "$BOLD" "$1" "$PLAIN"; }
+step() { title "$1"; printf '$ %s\n' "${*:2}"; "${@:2}"; }
 
-step "1. a synthetic Kimi-K3 checkpoint" "$VENV/bin/python" scripts/make_tiny_checkpoint.py --family kimi_k3 "$MODEL"
-step "2. plan from headers only (nothing written)" "$FOLDCKPT" convert "$MODEL" "$OUT" --dry-run
-step "3. convert" "$FOLDCKPT" convert "$MODEL" "$OUT" --quiet
-step "4. convert again: idempotent" "$FOLDCKPT" convert "$MODEL" "$OUT" --quiet
-step "5. verify every level, recomputing the folds" "$FOLDCKPT" verify "$OUT" --deep --quiet
-step "6. what a TP8 rank-3 node checks before serving" "$FOLDCKPT" verify "$OUT" --rank 3 --tp 8 --quiet
-step "7. inspect" "$FOLDCKPT" inspect "$OUT"
-echo
-echo "== 8. flip one byte in the sidecar: verify must fail (exit 1) and name the file"
+step "1. a synthetic Kimi-K3 checkpoint" python scripts/make_tiny_checkpoint.py --family kimi_k3 "$MODEL"
+step "2. plan from headers only (nothing written)" foldckpt convert "$MODEL" "$OUT" --dry-run
+step "3. convert" foldckpt convert "$MODEL" "$OUT" --quiet
+step "4. convert again: idempotent" foldckpt convert "$MODEL" "$OUT" --quiet
+step "5. verify every level, recomputing the folds" foldckpt verify "$OUT" --deep --quiet
+step "6. what a TP8 rank-3 node checks before serving" foldckpt verify "$OUT" --rank 3 --tp 8 --quiet
+step "7. inspect" foldckpt inspect "$OUT"
+title "8. flip one byte in the sidecar: verify must fail (exit 1) and name the file"
 cp "$OUT/foldckpt-00001-of-00001.safetensors" "$WORK/sidecar.bak"
 printf '\xff' | dd of="$OUT/foldckpt-00001-of-00001.safetensors" bs=1 seek=4096 conv=notrunc status=none
 set +e
-"$FOLDCKPT" verify "$OUT" --quiet
+foldckpt verify "$OUT" --quiet
 status=$?
 set -e
 mv "$WORK/sidecar.bak" "$OUT/foldckpt-00001-of-00001.safetensors"
@@ -46,3 +51,4 @@ mv "$WORK/sidecar.bak" "$OUT/foldckpt-00001-of-00001.safetensors"
 echo "(exit $status, as expected; sidecar restored)"
 echo
 echo "demo OK: $OUT holds the original files (hard links), the fold sidecar and foldckpt.json"
+echo "to type the commands above yourself: source $VENV_BIN/activate (foldckpt is installed in $VENV only)"

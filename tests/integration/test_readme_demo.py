@@ -14,10 +14,13 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -63,13 +66,16 @@ def parse(lines: list[str]) -> list[Entry]:
 
 
 def demo_commands() -> set[str]:
-    """The foldckpt commands demo.sh runs, as a user would type them."""
+    """The foldckpt commands demo.sh runs (as a user types them in the activated venv: demo.sh
+    puts its bin/ first on PATH), with its variables replaced by their default values."""
     commands = set()
     for line in DEMO.read_text().splitlines():
-        if '"$FOLDCKPT"' not in line:
+        if not re.search(r"(^|\s)foldckpt\s", line):
             continue
-        words = shlex.split(line[line.index('"$FOLDCKPT"') :].replace('"$FOLDCKPT"', "foldckpt"))
-        words = [w.replace("$MODEL", MODEL).replace("$OUT", OUT) for w in words]
+        words = shlex.split(line, comments=True)
+        if "foldckpt" not in words:
+            continue
+        words = [w.replace("$MODEL", MODEL).replace("$OUT", OUT) for w in words[words.index("foldckpt") :]]
         commands.add(" ".join(words))
     return commands
 
@@ -123,6 +129,35 @@ def test_the_readme_demo_excerpt_is_real_output(tmp_path: Path) -> None:
     for entry, (printed, code) in zip(entries, run_demo(tmp_path, entries), strict=True):
         assert code == entry.exit_code, (entry.command, code, printed)
         assert normalise(printed) == normalise(entry.output), f"$ {entry.command}"
+
+
+@pytest.mark.slow
+def test_demo_sh_prints_plain_text_commands_a_user_can_type_and_how_to_activate(tmp_path: Path) -> None:
+    """scripts/demo.sh end to end, its output a pipe (``demo.sh > demo.log``), in a copy of the
+    repository's scripts whose venv is this test's interpreter (``setup_venv.sh`` a no-op): no
+    escape codes (issue 46: bold titles went into the file), each command printed as it runs in
+    the activated venv, and a last line saying how to activate it (foldckpt is not on PATH)."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    for script in ("demo.sh", "make_tiny_checkpoint.py"):
+        shutil.copy(REPO / "scripts" / script, root / "scripts" / script)
+    (root / "scripts" / "setup_venv.sh").write_text("exit 0\n")
+    venv_bin = root / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    for tool, command in (("python", ""), ("foldckpt", " -m foldckpt")):
+        (venv_bin / tool).write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)}{command} "$@"\n')
+        (venv_bin / tool).chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FOLDCKPT_VENV": "venv"}
+    env.pop("DEMO_DIR", None)
+    run = subprocess.run(["bash", "scripts/demo.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "\x1b" not in run.stdout + run.stderr
+    printed = [line[2:] for line in run.stdout.splitlines() if line.startswith("$ ")]
+    assert printed[0] == f"python scripts/make_tiny_checkpoint.py --family kimi_k3 {MODEL}"
+    assert set(printed[1:]) == demo_commands() - {f"foldckpt verify {OUT} --quiet"}  # step 8 is not echoed
+    assert run.stdout.splitlines()[-1] == (
+        f"to type the commands above yourself: source {venv_bin}/activate (foldckpt is installed in venv only)"
+    )
 
 
 def print_block() -> None:
