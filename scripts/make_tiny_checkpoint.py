@@ -15,14 +15,35 @@ try:
     import safetensors  # noqa: F401
     import torch
 
-    from foldckpt.model.synthetic import FAMILIES, make_checkpoint
+    from foldckpt.model.synthetic import FAMILIES, FULL_K3_DIMS, TinyDims, make_checkpoint
 except ImportError as missing:
     what = (missing.name or "a package").split(".")[0]
     print(f"make_tiny_checkpoint.py: needs {what} (not installed): pip install 'foldckpt[synthetic]'", file=sys.stderr)
     sys.exit(2)
 
 
-@click.command()
+def _dims(d: TinyDims) -> str:
+    return f"hidden {d.hidden}, {d.heads} heads, q_lora {d.q_lora}, kv_lora {d.kv_lora}, nope {d.nope}, rope {d.rope}"
+
+
+# What a user needs before writing one: how big it is. The sizes are those of the default layers and
+# dtype, as the script's last line prints them; tests/integration/test_cli.py writes each and compares.
+HELP = f"""Write a synthetic checkpoint to OUT_DIR: the real model's tensor names, layouts and
+config.json, seeded random weights, tiny dimensions ({_dims(TinyDims())}, v_head {TinyDims().v_head};
+kv_lora and rope as vLLM's CPU MLA kernels require them).
+
+\b
+Sizes with the default --layers, --mtp-layers and --dtype:
+  kimi_k3                   18.8 MB  6 layers (2 MLA, 4 KDA) + 1 MTP, MXFP4 experts
+  deepseek_v3                4.3 MB  2 layers (dense, MoE with 4 experts)
+  deepseek_v3_fp8            2.6 MB  2 layers, fp8 e4m3 with 128x128 block scales
+  kimi_k25                   4.4 MB  2 layers and a vision tower stub
+  kimi_k3 --full-geometry  336.2 MB  attention tensors only, at Kimi-K3's real shapes
+                                     ({_dims(FULL_K3_DIMS)})
+"""
+
+
+@click.command(help=HELP)
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--family", type=click.Choice(FAMILIES), default="kimi_k3", show_default=True)
 @click.option("--layers", type=int, default=None, help="Main decoder layers (default: 6 for Kimi-K3, 2 otherwise).")

@@ -19,7 +19,7 @@ import pytest
 
 from foldckpt.defaults import JOURNAL_NAME
 from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
-from foldckpt.model.synthetic import make_checkpoint
+from foldckpt.model.synthetic import FAMILIES, make_checkpoint
 from tests.conftest import REPO, run_foldckpt
 
 Run = subprocess.CompletedProcess[str]
@@ -470,3 +470,19 @@ def test_make_tiny_checkpoint_without_the_synthetic_extra_says_what_to_install(t
         f"make_tiny_checkpoint.py: needs {missing} (not installed): pip install 'foldckpt[synthetic]'"
     ]
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.slow
+def test_make_tiny_checkpoint_help_gives_the_size_of_what_it_writes(tmp_path: Path) -> None:
+    """``--help`` said nothing of how big a checkpoint is (issue 46): a user about to write a
+    full-geometry one could not know it is hundreds of MB. Each size its table gives is what the
+    defaults write, as the script's last line prints it (decimal MB, one decimal)."""
+    script = REPO / "scripts" / "make_tiny_checkpoint.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, env=env, check=True)
+    sizes = re.findall(r"^ {4}(\w+)( --full-geometry)?\s+(\d+\.\d) MB ", shown.stdout, re.M)
+    assert {family for family, _, _ in sizes} == set(FAMILIES), shown.stdout
+    for family, full, megabytes in sizes:
+        out = make_checkpoint(tmp_path / f"{family}{full.strip()}", family, full_geometry=bool(full))
+        total = sum(path.stat().st_size for path in out.iterdir())
+        assert f"{total / 1e6:.1f}" == megabytes, (family, full, total)
