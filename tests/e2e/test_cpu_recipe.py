@@ -21,7 +21,7 @@ import pytest
 
 from foldckpt.convert import ConvertOptions, convert
 from tests.conftest import REPO
-from tests.e2e.harness import free_port, requires_vllm
+from tests.e2e.harness import Progress, free_port, requires_vllm
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, requires_vllm]
 
@@ -58,7 +58,9 @@ def test_the_cpu_recipe_serves_a_converted_model(tiny_model: Path, tmp_path: Pat
             start_new_session=True,
         )
         try:
-            code = run.wait(timeout=RECIPE_TIMEOUT_S)
+            with Progress("docs/serving.md's CPU recipe: a server, then curl") as step:
+                code = run.wait(timeout=RECIPE_TIMEOUT_S)
+                step.outcome = f"exit {code}"
             served = _stats_after(stats, lambda counts: counts["folded_decode_tokens"] >= 15)
         finally:
             os.killpg(run.pid, signal.SIGTERM)  # the server the recipe left in the background
