@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +16,20 @@ from foldckpt.io.direct_io import open_direct
 from foldckpt.model.synthetic import make_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_files_under_basetemp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """``TMPDIR`` (for this process and every command it starts) under pytest's own basetemp for the
+    whole session. Why: the tests that end a command in an internal error on purpose (a broken
+    torch, a file removed mid-run) had it write its traceback file (``foldckpt-traceback-*.txt``)
+    into the machine's /tmp, where each run of the suite left more; under the basetemp they are
+    pruned with it (pytest keeps the last three) and can still be read after a failure."""
+    folder = tmp_path_factory.mktemp("tmpdir")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(folder))
+        patch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+        yield folder
 
 
 def evict_from_page_cache(*paths: Path) -> None:

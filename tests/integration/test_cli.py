@@ -276,6 +276,21 @@ def test_an_internal_error_exits_3_in_one_line_naming_the_traceback_file(kimi: P
     assert error["code"] == 3 and error["kind"] == "internal" and Path(error["traceback"]).is_file()
 
 
+def test_the_suite_s_internal_errors_write_their_traceback_under_its_basetemp(
+    kimi_out: tuple[Path, Run], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A test that ends a command in an internal error on purpose, with the environment it runs
+    everything with, left a foldckpt-traceback-*.txt in the machine's /tmp on every run of the
+    suite (issue 46); tests/conftest.py points TMPDIR under the session's basetemp, pruned by pytest."""
+    out, _ = kimi_out
+    env = fake_torch(tmp_path / "site", "raise ImportError('torch was imported')\n")
+    line = error_line(run_foldckpt("verify", out, "--deep", "-q", env=env), code=3)
+    match = re.search(r"traceback written to (\S+) ", line)
+    assert match, line
+    assert Path(match.group(1)).is_file()
+    assert Path(match.group(1)).is_relative_to(tmp_path_factory.getbasetemp()), line
+
+
 def test_help_inspect_dry_run_and_verify_up_to_content_never_import_torch(
     kimi: Path, kimi_out: tuple[Path, Run], tmp_path: Path
 ) -> None:
