@@ -151,6 +151,31 @@ def _emit_json(data: Any) -> None:
     click.echo(json.dumps(json_safe(data), indent=2, default=str))
 
 
+def printable(text: str) -> str:
+    """``text`` with each character that a terminal would not print as itself written as Python
+    writes it in a string literal: ``\\n``, ``\\t``, ``\\x1b``, ``\\u2028``, and a byte of a file
+    name that is not UTF-8 (decoded by surrogate escape) as ``\\xff``. Why: the text output names
+    files found on disk, and a name holding a newline printed as it is forged a line of the report
+    (``a\\nverified in 0.01 s`` in OUT_DIR printed a "verified" line under a failed verify), an
+    escape sequence could rewrite the terminal. Every line of text output goes through here
+    (:func:`_say`, :func:`_fail`); ``--json`` needs none, JSON escapes them itself."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else _escaped(char) for char in text)
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # os.fsdecode's stand-in for the undecodable byte code - 0xDC00
+        return f"\\x{code - 0xDC00:02x}"
+    return repr(char)[1:-1]
+
+
+def _say(line: str = "") -> None:
+    """One line of a command's text output (:func:`printable`)."""
+    click.echo(printable(line))
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="foldckpt")
 def cli() -> None:
@@ -201,34 +226,34 @@ def _print_plan(pre: Preflight, source: ModelSource) -> None:
     plan = pre.plan
     g = plan.geometry
     layers = describe_layers(layer.layer for layer in plan.layers)
-    click.echo(f"model      {_model_line(source)} ({g.architecture}, family {g.family})")
-    click.echo(
+    _say(f"model      {_model_line(source)} ({g.architecture}, family {g.family})")
+    _say(
         f"geometry   H={g.num_heads} Lq={g.q_lora_rank} L={g.kv_lora_rank} P={g.qk_nope_head_dim} "
         f"R={g.qk_rope_head_dim} V={g.v_head_dim} rope={'yes' if g.uses_rope else 'no (NoPE)'}"
     )
     inputs = sorted(
         {layer.q_b_proj.info.dtype for layer in plan.layers} | {layer.kv_b_proj.info.dtype for layer in plan.layers}
     )
-    click.echo(f"inputs     q_b_proj/kv_b_proj {'/'.join(inputs)} in {len(plan.source.headers)} shard(s)")
-    click.echo(f"MLA layers {len(plan.layers)}: {layers}")
-    click.echo(
+    _say(f"inputs     q_b_proj/kv_b_proj {'/'.join(inputs)} in {len(plan.source.headers)} shard(s)")
+    _say(f"MLA layers {len(plan.layers)}: {layers}")
+    _say(
         f"fold       [{g.fold_shape[0]}, {g.fold_shape[1]}] {plan.fold_dtype} per layer, {human_bytes(plan.fold_bytes)} in all"
     )
     for shard in plan.shards:
-        click.echo(f"sidecar    {shard.name}  {len(shard.layers)} layer(s)  {human_bytes(shard.size)}")
+        _say(f"sidecar    {shard.name}  {len(shard.layers)} layer(s)  {human_bytes(shard.size)}")
     state = _STATES[pre.state]
     if pre.state == "resume":
         state += f" ({pre.layers_done} of {len(plan.layers)} layers done)"
-    click.echo(f"out        {pre.out_dir}: {state}")
+    _say(f"out        {pre.out_dir}: {state}")
     ways = {"hard": ("hard link", "hard links"), "copy": ("copy", "copies"), "symlink": ("symlink", "symlinks")}
     counts = [f"{n} {ways[how][n != 1]}" for how in ways if (n := list(pre.placement.values()).count(how))]
     copied = f" ({human_bytes(pre.copy_bytes)} copied)" if pre.copy_bytes else ""
-    click.echo(
+    _say(
         f"write      {human_bytes(pre.sidecar_bytes)} of sidecars; {len(pre.placement)} source file(s) to place"
         + (f": {', '.join(counts)}{copied}" if counts else "")
     )
     per_gpu = ", ".join(f"TP{tp} {human_bytes(b)}" for tp, b in plan.extra_bytes_per_gpu().items())
-    click.echo(f"GPU memory extra per rank: {per_gpu}")
+    _say(f"GPU memory extra per rank: {per_gpu}")
 
 
 def _layer_list(result: ConvertResult, status: str) -> str:
@@ -244,41 +269,35 @@ def _print_convert(result: ConvertResult) -> None:
     )
     if result.up_to_date:
         if result.replaced:
-            click.echo(f"{result.out_dir}: already converted with these inputs and parameters; nothing to fold")
-            click.echo(
+            _say(f"{result.out_dir}: already converted with these inputs and parameters; nothing to fold")
+            _say(
                 f"re-placed  {len(result.replaced)} source file(s) placed otherwise by the earlier run, as "
                 f"--link asks: {', '.join(result.replaced)}"
             )
         else:
-            click.echo(f"{result.out_dir}: already converted with these inputs and parameters; nothing to do")
-        click.echo(f"layers     {result.layers_total} MLA layer(s) folded: {_layer_list(result, 'up_to_date')}")
-        click.echo(accuracy)
+            _say(f"{result.out_dir}: already converted with these inputs and parameters; nothing to do")
+        _say(f"layers     {result.layers_total} MLA layer(s) folded: {_layer_list(result, 'up_to_date')}")
+        _say(accuracy)
         return
     placed = ", ".join(f"{count} {how}" for how, count in sorted(result.placed.items())) or "none"
     folded = _layer_list(result, "folded")
-    click.echo(
-        f"folded     {result.layers_folded} of {result.layers_total} MLA layer(s)" + (f": {folded}" if folded else "")
-    )
+    _say(f"folded     {result.layers_folded} of {result.layers_total} MLA layer(s)" + (f": {folded}" if folded else ""))
     if result.repaired:
-        click.echo(f"repaired   {', '.join(result.repaired)}: missing or damaged in OUT_DIR, placed or folded again")
+        _say(f"repaired   {', '.join(result.repaired)}: missing or damaged in OUT_DIR, placed or folded again")
     if result.layers_resumed:
-        click.echo(
-            f"resumed    {result.layers_resumed} layer(s) folded by an earlier run: {_layer_list(result, 'resumed')}"
-        )
+        _say(f"resumed    {result.layers_resumed} layer(s) folded by an earlier run: {_layer_list(result, 'resumed')}")
     for name, size in result.sidecars.items():
-        click.echo(f"sidecar    {name}  {human_bytes(size)}")
-    click.echo(f"sources    {sum(result.placed.values())} file(s) in OUT_DIR, placed: {placed}")
+        _say(f"sidecar    {name}  {human_bytes(size)}")
+    _say(f"sources    {sum(result.placed.values())} file(s) in OUT_DIR, placed: {placed}")
     if result.io:
         io = result.io
-        click.echo(
+        _say(
             f"io         read {human_bytes(io['bytes_read'])} (re-read {human_bytes(io['bytes_reread'])}), "
             f"wrote {human_bytes(io['bytes_written'])}, copied {human_bytes(io['bytes_copied'])}; "
             f"folded on {result.fold_device}"
         )
-    click.echo(accuracy)
-    click.echo(
-        f"done       {result.out_dir} in {result.elapsed_s:.1f} s; check it with: foldckpt verify {result.out_dir}"
-    )
+    _say(accuracy)
+    _say(f"done       {result.out_dir} in {result.elapsed_s:.1f} s; check it with: foldckpt verify {result.out_dir}")
 
 
 @cli.command(name="convert")
@@ -341,19 +360,19 @@ class _VerifyPrinter:
 
     def __call__(self, report: VerifyReport) -> None:
         if self._shown == 0 and report.manifest_sha256 is not None:  # `sha256sum foldckpt.json` prints the same
-            click.echo(f"sha256     {report.manifest_sha256}  foldckpt.json")
+            _say(f"sha256     {report.manifest_sha256}  foldckpt.json")
         for level in report.levels[self._shown :]:
-            click.echo(f"{'ok  ' if level.ok else 'FAIL'} {level.name:<10} {level.summary} ({level.elapsed_s:.2f} s)")
+            _say(f"{'ok  ' if level.ok else 'FAIL'} {level.name:<10} {level.summary} ({level.elapsed_s:.2f} s)")
             for problem in level.problems:
-                click.echo(f"     - {problem}")
+                _say(f"     - {problem}")
             if level.name == "manifest" and report.allow_extra:  # what the verdict took on trust, said each time
                 patterns = " ".join(f"--allow-extra {shlex.quote(pattern)}" for pattern in report.allow_extra)
-                click.echo(f"     allowed by {patterns}: {', '.join(report.allowed_extra) or 'nothing found'}")
+                _say(f"     allowed by {patterns}: {', '.join(report.allowed_extra) or 'nothing found'}")
         self._shown = len(report.levels)
 
     def finish(self, report: VerifyReport) -> None:
         self(report)
-        click.echo(f"{'verified' if report.ok else 'verification FAILED'} in {report.elapsed_s:.2f} s")
+        _say(f"{'verified' if report.ok else 'verification FAILED'} in {report.elapsed_s:.2f} s")
 
 
 @cli.command(name="verify")
@@ -392,42 +411,42 @@ def verify_command(ctx: click.Context, out_dir: Path, deep: bool, quiet: bool, a
 
 def _print_inspection(info: Inspection) -> None:
     g = info.geometry
-    click.echo(f"directory  {info.directory}")
+    _say(f"directory  {info.directory}")
     if info.source is not None:
-        click.echo(
+        _say(
             f"source     {info.source['repo_id']} (revision {info.source['revision']}, commit {info.source['commit']})"
         )
-    click.echo(f"model      {g.architecture} (family {g.family})")
-    click.echo(
+    _say(f"model      {g.architecture} (family {g.family})")
+    _say(
         f"geometry   H={g.num_heads} Lq={g.q_lora_rank} L={g.kv_lora_rank} P={g.qk_nope_head_dim} "
         f"R={g.qk_rope_head_dim} V={g.v_head_dim} rope={'yes' if g.uses_rope else 'no (NoPE)'}"
     )
     layers = describe_layers(g.layers)
-    click.echo(f"MLA layers {len(g.layers)}: {layers}")
-    click.echo(f"weights    {human_bytes(info.model_bytes)}")
+    _say(f"MLA layers {len(g.layers)}: {layers}")
+    _say(f"weights    {human_bytes(info.model_bytes)}")
     if info.conversion is not None:
         from foldckpt.inspect import describe_conversion
 
-        click.echo(f"conversion {describe_conversion(info.directory, info.conversion)}")
+        _say(f"conversion {describe_conversion(info.directory, info.conversion)}")
     if info.folded_layers is None:
         if info.conversion is None:
-            click.echo("fold       not converted (no foldckpt.json)")
+            _say("fold       not converted (no foldckpt.json)")
         return
     if info.manifest_sha256 is not None:
-        click.echo(f"sha256     {info.manifest_sha256}  foldckpt.json")
-    click.echo(
+        _say(f"sha256     {info.manifest_sha256}  foldckpt.json")
+    _say(
         f"fold       {info.folded_layers}/{len(g.layers)} layers, {info.fold_dtype}, "
         f"{human_bytes(info.fold_bytes)} ({100 * info.fold_bytes / max(info.model_bytes, 1):.2f}% of the weights)"
     )
     for name, size in info.sidecars.items():
         count = sum(layer.sidecar == name for layer in info.layers)
-        click.echo(f"sidecar    {name}  {count} layer(s)  {human_bytes(size)}")
+        _say(f"sidecar    {name}  {count} layer(s)  {human_bytes(size)}")
     width = max((len(f"{layer.index}{' (mtp)' if layer.is_mtp else ''}") for layer in info.layers), default=0)
     for layer in info.layers:
         label = f"{layer.index}{' (mtp)' if layer.is_mtp else ''}"
-        click.echo(f"layer      {label:<{width}}  {layer.sidecar}  relative error vs fp64 {layer.rel_fro_error:.2e}")
+        _say(f"layer      {label:<{width}}  {layer.sidecar}  relative error vs fp64 {layer.rel_fro_error:.2e}")
     per_gpu = ", ".join(f"TP{tp} {human_bytes(b)}" for tp, b in info.extra_bytes_per_gpu.items())
-    click.echo(f"GPU memory extra per rank: {per_gpu}")
+    _say(f"GPU memory extra per rank: {per_gpu}")
 
 
 @cli.command(name="inspect")
@@ -462,7 +481,7 @@ def _fail(code: int, kind: str, message: str, as_json: bool, **extra: Any) -> No
     """Report how the command ended (one line on stderr, and JSON on stdout with --json); exit."""
     if as_json:
         click.echo(json.dumps({"error": {"code": code, "kind": kind, "message": message, **extra}}, indent=2))
-    click.echo(f"foldckpt: {'error: ' if kind in ('usage', 'input') else ''}{message}", err=True)
+    click.echo(printable(f"foldckpt: {'error: ' if kind in ('usage', 'input') else ''}{message}"), err=True)
     sys.exit(code)
 
 
@@ -515,7 +534,7 @@ def main(args: list[str] | None = None) -> None:
     except click.ClickException as exc:
         _fail(EXIT_BAD_INPUT, "usage", _one_line(exc.format_message()), as_json)
     except FoldckptError as exc:
-        _fail(EXIT_BAD_INPUT, "input", _one_line(str(exc)), as_json)
+        _fail(EXIT_BAD_INPUT, "input", str(exc), as_json)
     except (Interrupted, KeyboardInterrupt, click.exceptions.Abort) as exc:
         signum, name = (exc.signum, exc.name) if isinstance(exc, Interrupted) else (signal.SIGINT, "SIGINT")
         if _resumable:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -408,6 +409,38 @@ def test_verify_prints_the_elapsed_time(kimi_out: tuple[Path, Run]) -> None:
     assert all(re.search(r" \(\d+\.\d\d s\)$", line) for line in lines[1:-1]), lines
     report = json.loads(run_foldckpt("verify", out, "-q", "--json").stdout)
     assert report["elapsed_s"] >= sum(level["elapsed_s"] for level in report["levels"]) > 0
+
+
+FORGED = "verified in 0.01 s"
+
+
+def test_names_from_disk_are_escaped_in_the_text_output(kimi: Path, tmp_path: Path) -> None:
+    """A file named ``a<newline>verified in 0.01 s`` in OUT_DIR made verify print a forged
+    "verified" line under its failure (issue 46). Every name from disk, in convert's, inspect's and
+    verify's text output and in a refusal on stderr, shows a newline as ``\\n`` (and a byte that
+    is not UTF-8 as ``\\xff``)."""
+    model = Path(shutil.copytree(kimi, tmp_path / f"model\n{FORGED}"))
+    out = tmp_path / f"out\n{FORGED}"
+    raw = {"errors": "surrogateescape"}  # a raw byte that is not UTF-8 is read, not an error of the test
+    runs = [run_foldckpt("convert", model, out, "--dry-run", **raw), run_foldckpt("convert", model, out, "-q", **raw)]
+    runs.append(run_foldckpt("inspect", out, **raw))
+    (out / f"a\n{FORGED}").write_text("")
+    (out / os.fsdecode(b"b\xff")).write_text("")
+    runs.append(run_foldckpt("verify", out, "-q", **raw))
+    assert [run.returncode for run in runs] == [0, 0, 0, 1], runs
+    for run in runs:
+        assert not any(line.startswith(FORGED) for line in run.stdout.splitlines()), run.stdout
+        assert f"\\n{FORGED}" in run.stdout, run.stdout
+    problems = [line for line in runs[-1].stdout.splitlines() if line.startswith("     - ")]
+    assert problems == [
+        f"     - a\\n{FORGED}: a stray file not listed in foldckpt.json; {ALLOW_HINT}",
+        f"     - b\\xff: a stray file not listed in foldckpt.json; {ALLOW_HINT}",
+    ]
+    refused = error_line(run_foldckpt("convert", model, out, "--fold-dtype", "float32"))
+    assert refused.startswith(f"foldckpt: error: {tmp_path}/out\\n{FORGED}: holds a finished conversion"), refused
+
+
+ALLOW_HINT = "remove it, or allow it (verify --allow-extra PATTERN; FOLDCKPT_ALLOW_EXTRA when serving)"
 
 
 def test_progress_without_a_tty_is_plain_lines(kimi: Path, tmp_path: Path) -> None:
