@@ -17,6 +17,7 @@ and ``verify`` up to its content level never import torch.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import gc
 import json
 import os
@@ -493,6 +494,18 @@ def _usage_message(exc: click.UsageError) -> str:
     return f"{_one_line(exc.format_message()).rstrip('.')}; see '{command} --help'"
 
 
+def _name_too_long(exc: OSError) -> str:
+    """The refusal of a path the system cannot take (ENAMETOOLONG). Bad input wherever it is met: the
+    path is one given on the command line, or one of those joined onto it (a source file, a sidecar),
+    and every file operation may be the first to meet it, so it is told apart here, where the
+    command ends, rather than at each of them."""
+    where = "a path" if exc.filename is None else os.fsdecode(exc.filename)
+    return (
+        f"{where}: file name too long (a name longer than the filesystem allows, 255 bytes on most, or "
+        f"a path longer than {os.pathconf('/', 'PC_PATH_MAX')} bytes); choose a shorter one"
+    )
+
+
 def _write_traceback() -> str:
     fd, path = tempfile.mkstemp(prefix="foldckpt-traceback-", suffix=".txt")
     with os.fdopen(fd, "w") as handle:
@@ -542,7 +555,10 @@ def main(args: list[str] | None = None) -> None:
         else:
             message = f"interrupted by {name}"
         _fail(128 + signum, "interrupted", message, as_json, signal=name, resumable=_resumable)
-    except Exception as exc:  # a bug: one line, the traceback in a file
+    except Exception as exc:
+        if isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG:
+            _fail(EXIT_BAD_INPUT, "input", _name_too_long(exc), as_json)
+        # a bug: one line, the traceback in a file
         path = _write_traceback()
         first = _one_line(str(exc).splitlines()[0] if str(exc) else "")
         _fail(

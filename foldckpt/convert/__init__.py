@@ -56,11 +56,13 @@ from foldckpt.convert.plan import (
 from foldckpt.convert.source_reads import IOCounters
 from foldckpt.defaults import (
     ACCUMULATION_DTYPE,
+    JOURNAL_NAME,
     nan_last,
     resolve_fold_device,
 )
 from foldckpt.errors import FoldckptError
 from foldckpt.format.manifest import (
+    MANIFEST_NAME,
     FileRecord,
     FoldedLayer,
     FoldTensor,
@@ -71,6 +73,7 @@ from foldckpt.format.manifest import (
 )
 from foldckpt.io.files import (
     busy_error,
+    check_fits,
     exclusive_lock,
     is_locked,
     remove_stale_tmp_files,
@@ -235,6 +238,7 @@ def preflight(model_dir: Path | ModelSource, out_dir: Path, options: ConvertOpti
     check_overlap(origin.path, out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise FoldckptError(f"{out_dir}: exists and is not a directory; choose a directory for the output")
+    check_fits(out_dir, [*plan.files_to_place, *generated, *(s.name for s in plan.shards), JOURNAL_NAME, MANIFEST_NAME])
     if out_dir.is_dir() and is_locked(out_dir):
         raise busy_error(out_dir)
     key = run_key(identity)

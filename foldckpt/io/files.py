@@ -24,7 +24,7 @@ import json
 import math
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path, PurePosixPath
@@ -70,6 +70,34 @@ def tmp_path_for(path: Path) -> Path:
 
 def tmp_name(name: str) -> str:
     return f".{name}{TMP_SUFFIX}"
+
+
+def check_fits(root: Path, names: Iterable[str]) -> None:
+    """Refuse, naming it, a file to be written under ``root`` (``names``, relative to it, each
+    written under its temporary name first, :func:`atomic_output`) whose path is longer than the
+    system takes (PATH_MAX) or one of whose names is longer than ``root``'s filesystem allows
+    (NAME_MAX). Said before anything is written, where the write met ENAMETOOLONG midway, after
+    folders had been made; and a source file's name of up to NAME_MAX bytes fits MODEL_DIR but
+    not as the longer temporary name in OUT_DIR."""
+    folder = nearest_existing(root)
+    name_max, path_max = os.pathconf(folder, "PC_NAME_MAX"), os.pathconf(folder, "PC_PATH_MAX")
+    for name in names:
+        pure = PurePosixPath(name)
+        written = pure.with_name(tmp_name(pure.name))
+        longest = max(written.parts, key=lambda part: len(os.fsencode(part)))
+        if len(os.fsencode(longest)) > name_max:
+            raise FoldckptError.at(
+                root / name,
+                f"the name {longest!r} ({len(os.fsencode(longest))} bytes, with the temporary name it is "
+                f"written under) is longer than the {name_max} bytes the filesystem allows; shorten the name",
+            )
+        size = len(os.fsencode(root / written))
+        if size >= path_max:  # the limit counts the terminating NUL
+            raise FoldckptError.at(
+                root / name,
+                f"a path of {size} bytes (with the temporary name it is written under), longer than the "
+                f"{path_max - 1} the system takes; choose a shorter output directory",
+            )
 
 
 def stays_inside(name: str) -> bool:

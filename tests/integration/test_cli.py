@@ -411,6 +411,27 @@ def test_verify_prints_the_elapsed_time(kimi_out: tuple[Path, Run]) -> None:
     assert report["elapsed_s"] >= sum(level["elapsed_s"] for level in report["levels"]) > 0
 
 
+@pytest.mark.parametrize("too_long", ["x" * 300, "/".join(["abcdefg"] * 520)], ids=["name", "path"])
+@pytest.mark.parametrize("command", ["verify", "inspect", "convert-out", "convert-model", "dry-run"])
+def test_an_overlong_path_is_bad_input_in_one_line(
+    kimi: Path, kimi_out: tuple[Path, Run], tmp_path: Path, too_long: str, command: str
+) -> None:
+    """A name of 300 bytes, or a path of more than 4096, was an internal error (exit 3, a
+    traceback file) in convert, verify and inspect (issue 46): ENAMETOOLONG is bad input."""
+    path = tmp_path / too_long
+    argv = {
+        "verify": ["verify", path],
+        "inspect": ["inspect", path],
+        "convert-out": ["convert", kimi, path],
+        "convert-model": ["convert", path, tmp_path / "out"],
+        "dry-run": ["convert", kimi, path, "--dry-run"],
+    }[command]
+    line = error_line(run_foldckpt(*argv))
+    assert line.startswith(f"foldckpt: error: {tmp_path}/"), line
+    assert "file name too long (a name longer than the filesystem allows" in line, line
+    assert sorted(os.listdir(tmp_path)) == []  # nothing made
+
+
 FORGED = "verified in 0.01 s"
 
 

@@ -94,6 +94,29 @@ def test_a_refused_run_removes_the_out_dir_it_created(model: Path, tmp_path: Pat
 PLACEMENTS = [("auto", True), ("auto", False), ("copy", True), ("symlink", True)]
 
 
+def test_an_out_dir_whose_files_would_not_fit_a_path_is_refused_by_the_dry_run_too(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """An OUT_DIR of 4,070 bytes passed the dry run; the run made its folders, then met
+    ENAMETOOLONG writing its journal under OUT_DIR and left them (issue 46)."""
+    out = tmp_path / "/".join(["y" * 250] * 16)
+    out = out / ("z" * (4070 - len(str(out))))
+    line = assert_refused_alike(small_model, out)
+    assert "bytes (with the temporary name it is written under), longer than the 4095 the system takes" in line
+    assert not (tmp_path / ("y" * 250)).exists()
+
+
+def test_a_source_name_too_long_for_its_temporary_name_is_refused_by_the_dry_run_too(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """A source file name of 250 bytes fits MODEL_DIR, not as ``.<name>.foldckpt-tmp`` in OUT_DIR:
+    the run met ENAMETOOLONG placing it, after the dry run had passed."""
+    model = Path(shutil.copytree(small_model, tmp_path / "model"))
+    (model / ("n" * 250)).write_text("notes\n")
+    line = assert_refused_alike(model, tmp_path / "out")
+    assert f"{tmp_path / 'out' / ('n' * 250)}: the name '.{'n' * 250}.foldckpt-tmp' (264 bytes" in line, line
+
+
 @pytest.mark.parametrize(("link", "same_filesystem"), PLACEMENTS)
 def test_the_dry_run_says_how_each_source_will_be_placed_and_the_run_does_so(
     small_model: Path, tmp_path: Path, small_filesystem: Path, link: str, same_filesystem: bool
