@@ -350,7 +350,11 @@ def make_out_dir(out_dir: Path) -> list[tuple[Path, tuple[int, int] | None]]:
         missing.append(folder)
         folder = folder.parent
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        # one level at a time, outermost first: mkdir(parents=True) recurses once per missing
+        # folder, and an OUT_DIR a thousand folders deep (short names, a legal path) overflowed
+        # Python's stack
+        for folder in reversed(missing):
+            folder.mkdir(exist_ok=True)
     except OSError as exc:
         raise os_error(out_dir, exc, "creating the output directory") from None
     return [(folder, _identity(folder)) for folder in missing]

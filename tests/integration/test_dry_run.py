@@ -117,6 +117,24 @@ def test_a_source_name_too_long_for_its_temporary_name_is_refused_by_the_dry_run
     assert f"{tmp_path / 'out' / ('n' * 250)}: the name '.{'n' * 250}.foldckpt-tmp' (264 bytes" in line, line
 
 
+def test_an_out_dir_a_thousand_folders_deep_is_made(small_model: Path, tmp_path: Path) -> None:
+    """mkdir(parents=True) recursed once per missing folder: an OUT_DIR 1,000 folders deep (a
+    legal path of 3,000 bytes) was an internal error, RecursionError."""
+    out = tmp_path.joinpath(*["ab"] * 1000)
+    try:
+        run = run_foldckpt("convert", small_model, out, "-q")
+        assert run.returncode == 0, run.stderr
+        assert run_foldckpt("verify", out, "-q").returncode == 0
+    finally:  # pytest's own clean-up (shutil.rmtree) recurses once per folder too
+        for entry in out.iterdir() if out.is_dir() else ():
+            entry.unlink()
+        for folder in (out, *out.parents):
+            if folder == tmp_path:
+                break
+            if folder.is_dir():
+                folder.rmdir()
+
+
 @pytest.mark.parametrize(("link", "same_filesystem"), PLACEMENTS)
 def test_the_dry_run_says_how_each_source_will_be_placed_and_the_run_does_so(
     small_model: Path, tmp_path: Path, small_filesystem: Path, link: str, same_filesystem: bool
