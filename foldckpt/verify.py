@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from foldckpt.defaults import DEFAULT_MAX_SHARD_SIZE
 from foldckpt.errors import FoldckptError, ManifestError
 from foldckpt.format.consistency import (
     Problem,
@@ -427,7 +426,7 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
     plan = plan_conversion(
         out_dir,
         fold_dtype=manifest.fold_dtype,
-        max_shard_size=int(manifest.parameters.get("max_shard_size", DEFAULT_MAX_SHARD_SIZE)),
+        max_shard_size=manifest.parameters["max_shard_size"],  # an integer >= 1: read_manifest checked it
         external_links=True,
     )
     dtype = fold_torch_dtype(manifest.fold_dtype)

@@ -163,7 +163,7 @@ def _manifest(
     generated: tuple[str, ...] = (),
 ) -> Manifest:
     tensors = {
-        name: FoldTensor.from_dict(name, record)
+        name: FoldTensor.from_dict(name, record, plan.geometry.num_heads)
         for shard in plan.shards
         for name, record in journal.shard(shard.name).tensors.items()
     }

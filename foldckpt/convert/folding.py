@@ -344,5 +344,5 @@ def _journal_matches_layout(writer: ShardWriter, progress: ShardProgress, shard:
 def _prefix_intact(writer: ShardWriter, progress: ShardProgress, heads: int) -> bool:
     """Whether the folds a resumed shard keeps still hold their journaled head digests (the
     temporary file is ours, but a crash or a hand can damage it between two runs)."""
-    kept = [FoldTensor.from_dict(name, record) for name, record in progress.tensors.items()]
+    kept = [FoldTensor.from_dict(name, record, heads) for name, record in progress.tensors.items()]
     return not kept or heads_intact(writer.tmp, writer.layout, kept, heads)

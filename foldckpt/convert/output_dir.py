@@ -194,7 +194,7 @@ def _sidecar_holds(path: Path, progress: ShardProgress, plan: ConversionPlan) ->
     """Whether a finished sidecar the journal records still holds its bytes (hashed: its
     fingerprint changed)."""
     assert progress.done is not None
-    folds = [FoldTensor.from_dict(name, record) for name, record in progress.tensors.items()]
+    folds = [FoldTensor.from_dict(name, record, plan.geometry.num_heads) for name, record in progress.tensors.items()]
     return sidecar_intact(path, SidecarRecord.from_dict(progress.done), folds, plan.geometry.num_heads)
 
 

@@ -98,8 +98,6 @@ def manifest_problems(manifest: Manifest) -> list[Problem]:
         for name, record in records.items():
             if _unsafe_name(name):
                 bad(f"{section}: file name {name!r} escapes the output directory")
-            if record.size < 0:
-                bad(f"{section}: '{name}' has a negative size {record.size}")
             digest = record.header_sha256 if isinstance(record, SidecarRecord) else record.sha256
             if not is_hex_digest(digest):
                 bad(f"{section}: '{name}' has sha256 {digest!r}, not 64 lowercase hex digits")
@@ -107,9 +105,7 @@ def manifest_problems(manifest: Manifest) -> list[Problem]:
         if not PurePosixPath(name).name.startswith(SIDECAR_PREFIX) or "/" in name:
             bad(f"sidecar '{name}' is not named {SIDECAR_PREFIX}*.safetensors at the top of the output")
     geometry = manifest.geometry
-    stored = FOLD_DTYPE_NAMES.get(manifest.fold_dtype)
-    if stored is None:
-        bad(f"fold dtype {manifest.fold_dtype!r} is not one of {', '.join(FOLD_DTYPE_NAMES)}")
+    stored = FOLD_DTYPE_NAMES[manifest.fold_dtype]  # one of them: read_manifest checked it
     for layer in geometry.layers:
         if layer.q_fold not in manifest.tensors:
             bad(f"MLA layer {layer.index} has no fold '{layer.q_fold}'", layer.q_fold)
@@ -119,7 +115,7 @@ def manifest_problems(manifest: Manifest) -> list[Problem]:
             bad(f"fold '{name}' belongs to no MLA layer of the manifest's geometry", name)
         if tensor.file not in manifest.sidecars:
             bad(f"tensor '{name}' is said to be in '{tensor.file}', which is not a listed sidecar", name)
-        if tensor.shape != geometry.fold_shape or (stored is not None and tensor.dtype != stored):
+        if tensor.shape != geometry.fold_shape or tensor.dtype != stored:
             bad(
                 f"fold '{name}' is {tensor.dtype}{list(tensor.shape)}, the geometry and fold dtype imply "
                 f"{stored}{list(geometry.fold_shape)}",

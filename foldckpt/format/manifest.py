@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from foldckpt import __version__
-from foldckpt.defaults import SCALED_FOLD_DTYPES
+from foldckpt.defaults import ACCUMULATION_DTYPE, FOLD_DTYPE_NAMES, SCALED_FOLD_DTYPES
 from foldckpt.errors import FoldckptError, ManifestError
 from foldckpt.io.files import atomic_output, parse_json
 from foldckpt.io.hashing import LEAF_RULE, RANK_RULE, TENSOR_DIGEST_RULE
 from foldckpt.io.safetensors_format import tensor_nbytes
-from foldckpt.model.geometry import Geometry
+from foldckpt.model.geometry import SUPPORTED_ARCHITECTURES, Geometry, MLALayer
 
 MANIFEST_NAME = "foldckpt.json"
 FORMAT_NAME = "foldckpt"
@@ -64,6 +64,9 @@ ROUNDING_RULE = (
 )
 SIDECAR_RULE = "header_sha256 covers bytes [0, 8 + header length); the folds' head_blake3 cover the rest"
 LAYOUT = "head-major [H*(L+R), Lq]; rank r of tp owns rows [r*H/tp*(L+R), (r+1)*H/tp*(L+R))"
+TENSOR_NAME_RULE = "<layer prefix>.self_attn.q_fold.weight"
+# The row groups of a fold whose relative errors vs fp64 are recorded (foldckpt.fold.FoldError).
+ERROR_ROWS = ("ql_nope", "q_pe")
 _MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 # Older formats this one replaced, refused with the command that rewrites them (format 1 below).
 _OLDER_FORMATS = {
@@ -73,6 +76,129 @@ _OLDER_FORMATS = {
 }
 
 
+class SchemaError(ValueError):
+    """A field of a manifest whose type or range is not what this format holds, ``field`` naming it
+    as a path from the manifest's root (``tensors["…"].error_vs_fp64.rel_fro_error``)."""
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"field {field} {detail}")
+        self.field = field
+
+
+def _shown(value: Any) -> str:
+    text = repr(value) if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _integer(value: Any, where: str, minimum: int = 0, maximum: int | None = None) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise SchemaError(where, f"must be an integer {bound}, got {_shown(value)}")
+    return value
+
+
+def _text(value: Any, where: str, choices: tuple[str, ...] | None = None) -> str:
+    if not isinstance(value, str):
+        raise SchemaError(where, f"must be a string, got {_shown(value)}")
+    if choices is not None and value not in choices:
+        raise SchemaError(where, f"must be one of {', '.join(map(_shown, choices))}, got {_shown(value)}")
+    return value
+
+
+def _figure(value: Any, where: str) -> float | None:
+    """An error figure: a finite number >= 0, or null (the figure of a fold of NaN inputs)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise SchemaError(where, f"must be a number >= 0 or null, got {_shown(value)}")
+    return value
+
+
+class _Fields:
+    """One JSON object of a manifest, read one field at a time: each read checks the field's type
+    and range and names the field when they are wrong (:class:`SchemaError`), and :meth:`close`
+    refuses a field that no read took (not one of this format's). Why: every reader of a manifest
+    (verify, inspect, convert's rerun, the serving loader) takes its fields as the types they say,
+    and a hand-edited manifest with its digest recomputed made them crash (a string error figure)
+    or blame a flag nobody passed (a shard size of 0)."""
+
+    def __init__(self, data: Any, where: str) -> None:
+        if not isinstance(data, dict):
+            raise SchemaError(where or "(the root)", f"must be an object, got {_shown(data)}")
+        self.data: dict[str, Any] = data
+        self._where, self._read = where, set()
+
+    def name(self, key: str) -> str:
+        """The field path of ``key`` in this object."""
+        return f"{self._where}.{key}" if self._where else key
+
+    def has(self, key: str) -> bool:
+        return key in self.data
+
+    def value(self, key: str) -> Any:
+        self._read.add(key)
+        if key not in self.data:
+            raise SchemaError(self.name(key), "is missing")
+        return self.data[key]
+
+    def integer(self, key: str, minimum: int = 0, maximum: int | None = None) -> int:
+        return _integer(self.value(key), self.name(key), minimum, maximum)
+
+    def text(self, key: str, choices: tuple[str, ...] | None = None) -> str:
+        return _text(self.value(key), self.name(key), choices)
+
+    def optional_text(self, key: str) -> str | None:
+        value = self.value(key)
+        return None if value is None else _text(value, self.name(key))
+
+    def boolean(self, key: str) -> bool:
+        value = self.value(key)
+        if not isinstance(value, bool):
+            raise SchemaError(self.name(key), f"must be true or false, got {_shown(value)}")
+        return value
+
+    def figure(self, key: str) -> float | None:
+        return _figure(self.value(key), self.name(key))
+
+    def object(self, key: str) -> _Fields:
+        return _Fields(self.value(key), self.name(key))
+
+    def table(self, key: str) -> list[tuple[str, Any, str]]:
+        """An object of records by name (``tensors``, ``sidecars``, ...): each name, its record and
+        the record's field path, ``key["name"]`` (quoted as JSON writes it)."""
+        table = self.object(key)
+        return [(name, item, f"{self.name(key)}[{json.dumps(name)}]") for name, item in table.data.items()]
+
+    def array(self, key: str, length: int | None = None) -> list[tuple[Any, str]]:
+        """A list (of ``length`` items where given): each item with its field path, ``key[i]``."""
+        value, where = self.value(key), self.name(key)
+        if not isinstance(value, list) or (length is not None and len(value) != length):
+            expected = "a list" if length is None else f"a list of {length}"
+            raise SchemaError(where, f"must be {expected}, got {_shown(value)}")
+        return [(item, f"{where}[{index}]") for index, item in enumerate(value)]
+
+    def close(self) -> None:
+        """Refuse a field that no read took: not one of this format's."""
+        unread = [key for key in self.data if key not in self._read]
+        if unread:
+            raise SchemaError(self.name(unread[0]), f"is not a field of manifest format {FORMAT_VERSION}")
+
+
+def _shape(fields: _Fields, key: str, dims: int) -> tuple[int, ...]:
+    return tuple(_integer(item, where, 1) for item, where in fields.array(key, dims))
+
+
+def _digests(fields: _Fields, key: str) -> tuple[str, ...]:
+    """A list of digests (whether each is 64 hex digits, and one per head, is
+    :func:`~foldckpt.format.consistency.manifest_problems`' to judge)."""
+    return tuple(_text(item, where) for item, where in fields.array(key))
+
+
 @dataclass(frozen=True)
 class FileRecord:
     size: int
@@ -80,6 +206,13 @@ class FileRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return {"size": self.size, "sha256": self.sha256}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str) -> FileRecord:
+        fields = _Fields(data, where)
+        record = cls(fields.integer("size"), fields.text("sha256"))
+        fields.close()
+        return record
 
 
 @dataclass(frozen=True)
@@ -94,8 +227,11 @@ class SidecarRecord:
         return {"size": self.size, "header_sha256": self.header_sha256}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SidecarRecord:
-        return cls(int(data["size"]), str(data["header_sha256"]))
+    def from_dict(cls, data: dict[str, Any], where: str = "sidecar") -> SidecarRecord:
+        fields = _Fields(data, where)
+        record = cls(fields.integer("size"), fields.text("header_sha256"))
+        fields.close()
+        return record
 
 
 @dataclass(frozen=True)
@@ -130,13 +266,13 @@ class ScaleTensor:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ScaleTensor:
-        return cls(
-            str(data["name"]),
-            str(data["dtype"]),
-            tuple(int(d) for d in data["shape"]),
-            tuple(str(h) for h in data["head_blake3"]),
+    def from_dict(cls, data: dict[str, Any], where: str) -> ScaleTensor:
+        fields = _Fields(data, where)
+        scale = cls(
+            fields.text("name"), fields.text("dtype"), _shape(fields, "shape", 1), _digests(fields, "head_blake3")
         )
+        fields.close()
+        return scale
 
 
 @dataclass(frozen=True)
@@ -179,19 +315,52 @@ class FoldTensor:
         }
 
     @classmethod
-    def from_dict(cls, name: str, data: dict[str, Any]) -> FoldTensor:
-        return cls(
+    def from_dict(cls, name: str, data: dict[str, Any], num_heads: int, where: str = "fold") -> FoldTensor:
+        """The record of fold ``name`` of a model of ``num_heads`` heads, every field checked
+        (:class:`SchemaError` names a wrong one by its path from ``where``)."""
+        fields = _Fields(data, where)
+        shape = _shape(fields, "shape", 2)
+        sources = []
+        for item, item_where in fields.array("sources"):
+            source = _Fields(item, item_where)
+            sources.append(SourceTensor(source.text("name"), source.text("file"), source.text("blake3")))
+            source.close()
+        tensor = cls(
             name=name,
-            layer_index=int(data["layer_index"]),
-            layer_prefix=str(data["layer_prefix"]),
-            file=str(data["file"]),
-            dtype=str(data["dtype"]),
-            shape=(int(data["shape"][0]), int(data["shape"][1])),
-            head_blake3=tuple(str(h) for h in data["head_blake3"]),
-            sources=tuple(SourceTensor(s["name"], s["file"], s["blake3"]) for s in data["sources"]),
-            error=dict(data["error_vs_fp64"]),
-            scale=ScaleTensor.from_dict(data["weight_scale"]) if "weight_scale" in data else None,
+            layer_index=fields.integer("layer_index"),
+            layer_prefix=fields.text("layer_prefix"),
+            file=fields.text("file"),
+            dtype=fields.text("dtype"),
+            shape=(shape[0], shape[1]),
+            head_blake3=_digests(fields, "head_blake3"),
+            sources=tuple(sources),
+            error=_read_error(fields.object("error_vs_fp64"), num_heads),
+            scale=ScaleTensor.from_dict(fields.value("weight_scale"), fields.name("weight_scale"))
+            if fields.has("weight_scale")
+            else None,
         )
+        fields.close()
+        return tensor
+
+
+def _read_error(fields: _Fields, num_heads: int) -> dict[str, Any]:
+    """A fold's recorded error vs fp64 (:meth:`foldckpt.fold.FoldError.to_dict`), checked: the
+    heads measured, each a head of the model; figures >= 0 (null: NaN); the worst head one of the
+    heads measured (null when none was). Returned as recorded (the manifest is re-encoded from it)."""
+    heads = [_integer(item, where, 0, num_heads - 1) for item, where in fields.array("heads")]
+    fields.figure("rel_fro_error")
+    fields.figure("max_abs_error")
+    rows = fields.object("rel_fro_error_rows")
+    for part in ERROR_ROWS:
+        rows.figure(part)
+    rows.close()
+    worst = fields.value("worst_head")
+    if worst is not None or heads:
+        _integer(worst, fields.name("worst_head"), 0, num_heads - 1)
+        if worst not in heads:
+            raise SchemaError(fields.name("worst_head"), f"must be one of the heads measured, {heads}, got {worst}")
+    fields.close()
+    return dict(fields.data)
 
 
 @dataclass(frozen=True)
@@ -240,7 +409,7 @@ class Manifest:
                 "dtype": self.fold_dtype,
                 "accumulation_dtype": self.accumulation_dtype,
                 "rounding": ROUNDING_RULE,
-                "tensor_name": "<layer prefix>.self_attn.q_fold.weight",
+                "tensor_name": TENSOR_NAME_RULE,
                 **({"scale": SCALE_RULE} if self.fold_dtype in SCALED_FOLD_DTYPES else {}),
             },
             "integrity": {
@@ -259,20 +428,94 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
-        fold = data["fold"]
-        return cls(
-            geometry=Geometry.from_dict(data["geometry"]),
-            fold_dtype=str(fold["dtype"]),
-            accumulation_dtype=str(fold["accumulation_dtype"]),
-            tensors={name: FoldTensor.from_dict(name, t) for name, t in data["tensors"].items()},
-            sidecars={n: SidecarRecord.from_dict(r) for n, r in data["sidecars"].items()},
-            source_files={n: FileRecord(int(r["size"]), str(r["sha256"])) for n, r in data["source_files"].items()},
-            parameters=dict(data.get("parameters", {})),
-            source=dict(data["source"]) if data.get("source") is not None else None,
-            generated_files=tuple(str(n) for n in data.get("generated_files", ())),
-            tool_version=str(data["tool_version"]),
-            format_version=int(data["format_version"]),
+        """The manifest of ``data``, every field's type and range checked (:class:`SchemaError`
+        names the first that is wrong): the one place a manifest's fields are read."""
+        root = _Fields(data, "")
+        root.text("format", (FORMAT_NAME,))
+        root.value(DIGEST_KEY)  # proven by read_manifest
+        geometry = _read_geometry(root.object("geometry"))
+        fold = root.object("fold")
+        fold_dtype = fold.text("dtype", tuple(FOLD_DTYPE_NAMES))
+        for key, rule in (
+            ("formula", FORMULA),
+            ("layout", LAYOUT),
+            ("accumulation_dtype", ACCUMULATION_DTYPE),
+            ("rounding", ROUNDING_RULE),
+            ("tensor_name", TENSOR_NAME_RULE),
+            *((("scale", SCALE_RULE),) if fold_dtype in SCALED_FOLD_DTYPES else ()),
+        ):
+            fold.text(key, (rule,))
+        fold.close()
+        integrity = root.object("integrity")
+        for key, rule in (
+            ("head_blake3", LEAF_RULE),
+            ("rank_digest", RANK_RULE),
+            ("sources", TENSOR_DIGEST_RULE),
+            ("sidecar", SIDECAR_RULE),
+            (DIGEST_KEY, DIGEST_RULE),
+        ):
+            integrity.text(key, (rule,))
+        integrity.close()
+        parameters = root.object("parameters")
+        parameters.text("fold_dtype", (fold_dtype,))
+        parameters.text("accumulation_dtype", (ACCUMULATION_DTYPE,))
+        parameters.integer("max_shard_size", 1)
+        parameters.text("run_key")
+        parameters.close()
+        source = None
+        if root.has("source"):
+            origin = root.object("source")
+            source = {key: origin.text(key) for key in ("repo_id", "revision", "commit")}
+            origin.close()
+        generated: tuple[str, ...] = ()
+        if root.has("generated_files"):
+            generated = tuple(_text(item, where) for item, where in root.array("generated_files"))
+        manifest = cls(
+            geometry=geometry,
+            fold_dtype=fold_dtype,
+            accumulation_dtype=ACCUMULATION_DTYPE,
+            tensors={
+                name: FoldTensor.from_dict(name, item, geometry.num_heads, where)
+                for name, item, where in root.table("tensors")
+            },
+            sidecars={name: SidecarRecord.from_dict(item, where) for name, item, where in root.table("sidecars")},
+            source_files={name: FileRecord.from_dict(item, where) for name, item, where in root.table("source_files")},
+            parameters=dict(parameters.data),
+            source=source,
+            generated_files=generated,
+            tool_version=root.text("tool_version"),
+            format_version=root.integer("format_version", FORMAT_VERSION, FORMAT_VERSION),
         )
+        root.close()
+        return manifest
+
+
+def _read_geometry(fields: _Fields) -> Geometry:
+    layers = []
+    for item, where in fields.array("layers"):
+        layer = _Fields(item, where)
+        layers.append(MLALayer(layer.integer("index"), layer.text("prefix"), layer.boolean("is_mtp")))
+        layer.close()
+    block = None
+    if fields.value("weight_block_size") is not None:
+        rows, columns = _shape(fields, "weight_block_size", 2)
+        block = (rows, columns)
+    geometry = Geometry(
+        family=fields.text("family"),
+        architecture=fields.text("architecture", SUPPORTED_ARCHITECTURES),
+        num_heads=fields.integer("num_heads", 1),
+        q_lora_rank=fields.integer("q_lora_rank", 1),
+        kv_lora_rank=fields.integer("kv_lora_rank", 1),
+        qk_nope_head_dim=fields.integer("qk_nope_head_dim", 1),
+        qk_rope_head_dim=fields.integer("qk_rope_head_dim", 1),
+        v_head_dim=fields.integer("v_head_dim", 1),
+        layers=tuple(layers),
+        uses_rope=fields.boolean("uses_rope"),
+        quant_method=fields.optional_text("quant_method"),
+        weight_block_size=block,
+    )
+    fields.close()
+    return geometry
 
 
 def canonical_bytes(data: dict[str, Any]) -> bytes:
@@ -387,8 +630,8 @@ def read_manifest(out_dir: Path, expect_sha256: str | None = None) -> Manifest:
         raise bad("not byte-for-byte the encoding foldckpt writes (its content is intact): edited after conversion")
     try:
         manifest = Manifest.from_dict(data)
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-        raise bad(f"malformed manifest ({type(exc).__name__}: {exc})") from None
+    except SchemaError as exc:
+        raise bad(str(exc)) from None
     return dataclasses.replace(manifest, file_sha256=digest)
 
 

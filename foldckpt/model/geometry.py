@@ -159,26 +159,6 @@ class Geometry:
             "layers": [{"index": layer.index, "prefix": layer.prefix, "is_mtp": layer.is_mtp} for layer in self.layers],
         }
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Geometry:
-        block = data.get("weight_block_size")
-        return cls(
-            family=data["family"],
-            architecture=data["architecture"],
-            num_heads=int(data["num_heads"]),
-            q_lora_rank=int(data["q_lora_rank"]),
-            kv_lora_rank=int(data["kv_lora_rank"]),
-            qk_nope_head_dim=int(data["qk_nope_head_dim"]),
-            qk_rope_head_dim=int(data["qk_rope_head_dim"]),
-            v_head_dim=int(data["v_head_dim"]),
-            uses_rope=bool(data["uses_rope"]),
-            quant_method=data.get("quant_method"),
-            weight_block_size=(int(block[0]), int(block[1])) if block else None,
-            layers=tuple(
-                MLALayer(int(item["index"]), str(item["prefix"]), bool(item["is_mtp"])) for item in data["layers"]
-            ),
-        )
-
 
 _DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _KIMI_K25_ARCHITECTURES = ("KimiK25ForConditionalGeneration",)

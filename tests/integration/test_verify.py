@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from foldckpt.convert import ConvertOptions
+from foldckpt.convert import ConvertOptions, convert
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import reference_fold_heads
 from foldckpt.format.consistency import header_sha256
@@ -36,6 +36,7 @@ from foldckpt.io.direct_io import DIRECT_CHUNK
 from foldckpt.io.files import HASH_BUFFER
 from foldckpt.io.hashing import chunks, head_digests, in_page_cache
 from foldckpt.io.safetensors_format import TensorInfo, read_header
+from foldckpt.model.synthetic import make_checkpoint
 from foldckpt.tensors import TORCH_DTYPES, read_tensor
 from foldckpt.verify import LEVELS, LevelResult, Problem, VerifyOptions, VerifyReport, check_deep, verify
 from tests.conftest import direct_io_supported, evict_from_page_cache, run_foldckpt
@@ -622,6 +623,75 @@ def test_a_consistent_forgery_passes_unpinned_and_fails_pinned(converted: Conver
     assert run_verify(out_dir, "content").ok  # a forgery the manifest alone cannot reveal ...
     level = failed_level(run_verify(out_dir, "content", expect_manifest_sha256=pinned), "manifest")  # ... a pin does
     assert [p.file for p in level.problems] == [MANIFEST_NAME] and "is not the pinned" in level.problems[0].what
+
+
+@pytest.fixture(scope="module")
+def kimi_model_and_out(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A Kimi-K3 checkpoint (8 heads) and its conversion, to copy and edit."""
+    root = tmp_path_factory.mktemp("schema")
+    model = make_checkpoint(root / "model", "kimi_k3")
+    convert(model, root / "out", ConvertOptions(progress=False))
+    return model, root / "out"
+
+
+def first_fold(data: dict) -> dict:
+    return next(iter(data["tensors"].values()))
+
+
+FOLD = '"language_model.model.layers.3.self_attn.q_fold.weight"'
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (  # inspect exited 3, verify passed
+            lambda d: first_fold(d)["error_vs_fp64"].update(rel_fro_error="abc"),
+            f"tensors[{FOLD}].error_vs_fp64.rel_fro_error must be a number >= 0 or null, got 'abc'",
+        ),
+        (  # verify --deep exited 3
+            lambda d: d["parameters"].update(max_shard_size="5GiB"),
+            "parameters.max_shard_size must be an integer >= 1, got '5GiB'",
+        ),
+        (  # "--max-shard-size must be positive", a flag nobody passed
+            lambda d: d["parameters"].update(max_shard_size=0),
+            "parameters.max_shard_size must be an integer >= 1, got 0",
+        ),
+        (lambda d: d["geometry"].update(num_heads=True), "geometry.num_heads must be an integer >= 1, got true"),
+        (lambda d: first_fold(d).update(shape=[4608]), f"tensors[{FOLD}].shape must be a list of 2, got [4608]"),
+        (
+            lambda d: d["source_files"]["config.json"].update(size=-1),
+            'source_files["config.json"].size must be an integer >= 0, got -1',
+        ),
+        (
+            lambda d: first_fold(d)["error_vs_fp64"].update(worst_head=1),
+            f"tensors[{FOLD}].error_vs_fp64.worst_head must be one of the heads measured, [0, 2, 5, 7], got 1",
+        ),
+        (lambda d: d["geometry"]["layers"][0].update(is_mtp=0), "geometry.layers[0].is_mtp must be true or false"),
+        (lambda d: d.update(notes="mine"), "notes is not a field of manifest format 5"),
+        (lambda d: d["fold"].update(formula="W_fold = W_qb"), "fold.formula must be one of 'W_fold[h] = [W_UK[h]^T"),
+    ],
+)
+def test_a_manifest_field_of_the_wrong_type_or_range_is_named_in_one_line(
+    kimi_model_and_out: tuple[Path, Path], tmp_path: Path, edit: Callable[[dict], None], field: str
+) -> None:
+    """A manifest edited by hand with its digest recomputed crashed its readers (issue 46): a
+    string error figure made inspect exit 3, a text shard size made verify --deep exit 3, a shard
+    size of 0 blamed --max-shard-size. Every field's type and range is checked where the manifest
+    is read: verify fails (exit 1) and the other commands refuse (exit 2), naming foldckpt.json
+    and the field."""
+    model, converted_out = kimi_model_and_out
+    out = Path(shutil.copytree(converted_out, tmp_path / "out"))
+    resign_raw(out, edit)
+    expected = f"{MANIFEST_NAME}: field {field}"
+    level = failed_level(run_verify(out), "manifest")
+    assert [(p.file, p.tensor) for p in level.problems] == [(MANIFEST_NAME, None)]
+    assert str(level.problems[0]).startswith(expected), level.problems[0]
+    run = run_foldckpt("verify", out, "--deep", "-q")
+    assert run.returncode == 1 and f"     - {expected}" in run.stdout, (run.stdout, run.stderr)
+    for argv in (["inspect", out], ["convert", model, out, "-q"], ["convert", model, out, "--dry-run"]):
+        run = run_foldckpt(*argv)
+        assert run.returncode == 2 and run.stderr.startswith(f"foldckpt: error: {out}/{expected}"), (argv, run.stderr)
+        assert len(run.stderr.splitlines()) == 1, run.stderr
 
 
 def test_a_hash_that_is_not_hex_fails_the_manifest_level(converted: Converted) -> None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
 
 from foldckpt.errors import FoldckptError
+from foldckpt.format.manifest import Manifest, manifest_bytes
 from foldckpt.model.geometry import geometry_from_config
 
 DEEPSEEK_V3: dict[str, Any] = {
@@ -73,9 +75,11 @@ def test_kimi_k25_uses_the_language_model_prefix() -> None:
     assert g.family == "kimi_k25" and g.layers[0].prefix == "language_model.model.layers.0"
 
 
-def test_geometry_round_trips_through_the_manifest_dict() -> None:
+def test_geometry_round_trips_through_the_manifest() -> None:
     g = geometry_from_config(KIMI_K3)
-    assert type(g).from_dict(g.to_dict()) == g
+    parameters = {"fold_dtype": "bfloat16", "accumulation_dtype": "exact", "max_shard_size": 1, "run_key": "k"}
+    manifest = Manifest(g, "bfloat16", "exact", {}, {}, {}, parameters)
+    assert Manifest.from_dict(json.loads(manifest_bytes(manifest))).geometry == g
 
 
 @pytest.mark.parametrize(
