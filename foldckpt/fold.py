@@ -13,10 +13,12 @@ the reference the error statistics are measured against.
 
 from __future__ import annotations
 
+import json
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -343,6 +345,47 @@ def _recorded(figure: float) -> float:
     return float(f"{figure:.{RECORDED_ERROR_DIGITS}g}")
 
 
+def _agrees(recorded: float | None, measured: float) -> bool:
+    """Whether a figure recorded to :data:`RECORDED_ERROR_DIGITS` significant digits (null: NaN or
+    infinite) is ``measured``. Rounding to that precision moves a figure by up to half a unit of
+    its last digit; the tolerance is one unit, so that fp64 sums added in another order (another
+    BLAS, a GPU) do not fail a true record that lay near a tie."""
+    if recorded is None or not math.isfinite(recorded) or not math.isfinite(measured):
+        return (recorded is None or not math.isfinite(recorded)) and not math.isfinite(measured)
+    if recorded == 0:  # only an exact zero is recorded as 0
+        return measured == 0
+    unit = 10.0 ** (math.floor(math.log10(abs(recorded))) - RECORDED_ERROR_DIGITS + 1)
+    return abs(recorded - measured) <= unit
+
+
+def recorded_error_mismatch(recorded: dict[str, Any], meter: FoldErrorMeter) -> str | None:
+    """What a fold's recorded error vs fp64 (``error_vs_fp64``, :meth:`FoldError.to_dict`, on the
+    heads convert measured) says that ``meter``, which has measured those heads again, does not;
+    None when each figure agrees at the precision recorded (:func:`_agrees`) and the recorded worst
+    head is as bad as the worst of them. Why: ``inspect`` and convert's summary show these figures,
+    and ``verify --deep`` passed a manifest whose figures had been rewritten (digest recomputed)."""
+    measured = meter.result(recorded["heads"])
+    figures = [
+        ("rel_fro_error", recorded["rel_fro_error"], measured.rel_fro_error),
+        ("max_abs_error", recorded["max_abs_error"], measured.max_abs_error),
+        *(
+            (f"rel_fro_error_rows.{part}", recorded["rel_fro_error_rows"][part], error)
+            for part, error in measured.rows.items()
+        ),
+    ]
+    digits = RECORDED_ERROR_DIGITS
+    for name, given, value in figures:
+        if not _agrees(given, value):
+            return f"{name} recorded {json.dumps(given)}, measured {value:.{digits}g} on the same heads"
+    worst = recorded["worst_head"]
+    if worst is not None and not _agrees(error := meter.result((worst,)).rel_fro_error, measured.rel_fro_error):
+        return (
+            f"worst_head recorded {worst} (measured {error:.{digits}g}), measured {measured.worst_head} "
+            f"({measured.rel_fro_error:.{digits}g})"
+        )
+    return None
+
+
 def within_one_rounding(rel_error: float, dtype: torch.dtype) -> bool:
     """Whether a fold's relative error vs fp64 is what one rounding to ``dtype`` can cost
     (:data:`ROUNDING_TOLERANCE`; NaN is not): the acceptance rule of convert and ``verify --deep``."""
@@ -437,7 +480,7 @@ class FoldErrorMeter:
         self._rows = {"ql_nope": slice(None, g.kv_lora_rank), "q_pe": slice(g.kv_lora_rank, None)}
         self._workspace = _fp64_workspace(g.qk_nope_head_dim, g.kv_lora_rank, g.fold_head_dim, g.q_lora_rank)
         self._errors: dict[int, dict[str, float]] = {}  # head -> row group -> relative error
-        self._max_abs = 0.0
+        self._max_abs: dict[int, float] = {}  # head -> largest absolute difference
 
     def add(
         self, head: int, stored: torch.Tensor, scale: torch.Tensor | None = None, reference: torch.Tensor | None = None
@@ -458,17 +501,19 @@ class FoldErrorMeter:
             d, r = diff[rows].reshape(-1), reference[rows].reshape(-1)
             diff_sq, ref_sq = float(torch.dot(d, d)), float(torch.dot(r, r))
             errors[part] = math.sqrt(diff_sq / ref_sq if ref_sq else diff_sq)  # all-zero rows: the absolute error
-        if diff.numel():
-            low, high = torch.aminmax(diff)
-            self._max_abs = max(self._max_abs, float(torch.maximum(-low, high)))
+        low, high = torch.aminmax(diff)
+        self._max_abs[head] = float(torch.maximum(-low, high))
 
-    def result(self) -> FoldError:
-        """The error over the heads added so far: the worst head's."""
-        heads = tuple(sorted(self._errors))
+    def result(self, heads: Iterable[int] | None = None) -> FoldError:
+        """The error over ``heads`` (all those added so far by default, each of them added): the
+        worst head's. ``verify --deep`` measures every head, and compares what convert recorded
+        of its sample with the same heads (:func:`recorded_error_mismatch`)."""
+        heads = tuple(sorted(self._errors if heads is None else set(heads)))
         rows = {part: max((self._errors[h][part] for h in heads), key=nan_last, default=0.0) for part in self._rows}
         worst = max(heads, key=lambda h: nan_last(max(self._errors[h].values(), key=nan_last)), default=None)
         error = 0.0 if worst is None else max(self._errors[worst].values(), key=nan_last)
-        return FoldError(heads, error, self._max_abs, rows, worst)
+        max_abs = max((self._max_abs[h] for h in heads if not math.isnan(self._max_abs[h])), default=0.0)
+        return FoldError(heads, error, max_abs, rows, worst)
 
 
 def fold_error(

@@ -420,6 +420,7 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
         fold_layer,
         fold_layer_fp8,
         probe_error,
+        recorded_error_mismatch,
     )
     from foldckpt.tensors import tensor_from_bytes
 
@@ -539,6 +540,15 @@ def check_deep(out_dir: Path, manifest: Manifest, options: VerifyOptions) -> Lev
                         f"differ from the exact fold recomputed here; {accuracy}; probe x·W_foldᵀ vs two-step "
                         f"query {probe:.2e}, tolerance {tolerance:.1e}; {off} element(s) beyond one rounding "
                         "of the fp64 fold)",
+                        record.name,
+                    )
+                )
+            elif (mismatch := recorded_error_mismatch(record.error, meter)) is not None:
+                # the figures inspect and convert show, judged on a right fold only (a wrong one's differ)
+                problems.append(
+                    Problem(
+                        MANIFEST_NAME,
+                        f"the error vs fp64 it records for '{record.name}' is not the fold's ({mismatch})",
                         record.name,
                     )
                 )

@@ -694,6 +694,31 @@ def test_a_manifest_field_of_the_wrong_type_or_range_is_named_in_one_line(
         assert len(run.stderr.splitlines()) == 1, run.stderr
 
 
+@pytest.mark.parametrize(
+    ("edit", "mismatch"),
+    [
+        (lambda e: e.update(rel_fro_error=round(e["rel_fro_error"] * 1.01, 6)), "rel_fro_error recorded"),
+        (lambda e: e["rel_fro_error_rows"].update(q_pe=1e-3), "rel_fro_error_rows.q_pe recorded 0.001, measured 0 "),
+        (lambda e: e.update(max_abs_error=None), "max_abs_error recorded null, measured"),
+        (lambda e: e.update(worst_head=next(h for h in e["heads"] if h != e["worst_head"])), "worst_head recorded"),
+    ],
+)
+def test_deep_compares_the_recorded_error_figures_with_its_own(
+    kimi_model_and_out: tuple[Path, Path], tmp_path: Path, edit: Callable[[dict], None], mismatch: str
+) -> None:
+    """inspect and convert's summary show each fold's recorded error vs fp64; verify --deep, which
+    measures every head again, passed a manifest whose figures had been rewritten (digest
+    recomputed). It now compares them, on the heads convert measured, at the precision recorded."""
+    _, converted_out = kimi_model_and_out
+    out = Path(shutil.copytree(converted_out, tmp_path / "out"))
+    resign_raw(out, lambda d: edit(first_fold(d)["error_vs_fp64"]))
+    assert run_verify(out, "content").ok
+    level = failed_level(run_verify(out), "deep")
+    name = FOLD.strip('"')
+    assert [(p.file, p.tensor) for p in level.problems] == [(MANIFEST_NAME, name)]
+    assert level.problems[0].what.startswith(f"the error vs fp64 it records for '{name}' is not the fold's ({mismatch}")
+
+
 def test_a_hash_that_is_not_hex_fails_the_manifest_level(converted: Converted) -> None:
     _, out_dir = converted("deepseek_v3")
     resign_raw(out_dir, lambda d: d["source_files"]["config.json"].update(sha256="g" * 64))
