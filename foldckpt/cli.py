@@ -243,9 +243,13 @@ def _print_plan(pre: Preflight, source: ModelSource) -> None:
     for shard in plan.shards:
         _say(f"sidecar    {shard.name}  {len(shard.layers)} layer(s)  {human_bytes(shard.size)}")
     state = _STATES[pre.state]
-    if pre.state == "resume":
+    if pre.state == "finished" and pre.repair:
+        state = "already converted with these inputs and parameters, but damaged: repaired"
+    if pre.state == "resume" or pre.repair:
         state += f" ({pre.layers_done} of {len(plan.layers)} layers done)"
     _say(f"out        {pre.out_dir}: {state}")
+    if pre.repair:
+        _say(f"repair     {', '.join(pre.repair)}: missing or damaged in OUT_DIR, placed or folded again")
     ways = {"hard": ("hard link", "hard links"), "copy": ("copy", "copies"), "symlink": ("symlink", "symlinks")}
     counts = [f"{n} {ways[how][n != 1]}" for how in ways if (n := list(pre.placement.values()).count(how))]
     copied = f" ({human_bytes(pre.copy_bytes)} copied)" if pre.copy_bytes else ""
@@ -306,7 +310,11 @@ def _print_convert(result: ConvertResult) -> None:
 @click.argument("out_dir", type=click.Path(path_type=Path))
 @revision_option
 @options_of(ConvertOptions)
-@click.option("--dry-run", is_flag=True, help="Validate everything from headers and print the plan; write nothing.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Make every check the run makes (from headers; an earlier run's files as the run rechecks them) and print the plan; write nothing.",
+)
 @quiet_option
 @json_option
 def convert_command(
@@ -332,6 +340,7 @@ def convert_command(
                     "source": source.to_dict(),
                     "out_dir": str(out_dir),
                     "state": pre.state,
+                    "repair": list(pre.repair),
                     "layers": [layer.layer.index for layer in plan.layers],
                     "layers_done": pre.layers_done,
                     "sidecars": {shard.name: shard.size for shard in plan.shards},

@@ -31,9 +31,11 @@ from foldckpt.convert.journal import (
     run_key,
 )
 from foldckpt.convert.output_dir import (
+    Proven,
+    assess_out_dir,
     check_overlap,
     check_writable,
-    find_previous_run,
+    discard_sidecars,
     generated_files,
     make_out_dir,
     prepare_out_dir,
@@ -200,13 +202,17 @@ class Preflight:
     """What ``convert`` would do to OUT_DIR with these options, found by every check the run makes
     before it writes, and nothing written: ``--dry-run`` shows it, and the run starts with it, so
     that the two refuse alike. ``state``: new, empty, resume, finished or replace (see
-    :class:`OutDirState`); ``placement``: how each source file this run places will be placed (hard,
-    copy or symlink); ``layers_done``: folded by an earlier run."""
+    :class:`OutDirState`); ``repair``: files of that earlier run missing or damaged in OUT_DIR, to be
+    placed or folded again; ``placement``: how each source file this run places will be placed
+    (hard, copy or symlink); ``layers_done``: folded by an earlier run (and intact); ``proven``: the
+    files hashed to judge OUT_DIR, which the run, judging it again under its lock, does not hash
+    again."""
 
     plan: ConversionPlan
     origin: ModelSource
     out_dir: Path
     state: str
+    repair: tuple[str, ...]
     placement: dict[str, str]
     sidecar_bytes: int
     copy_bytes: int
@@ -217,13 +223,16 @@ class Preflight:
     parameters: dict[str, Any]
     generated: dict[str, bytes]
     device: str
+    proven: Proven
 
 
 def preflight(model_dir: Path | ModelSource, out_dir: Path, options: ConvertOptions = ConvertOptions()) -> Preflight:
     """Plan the conversion and make every check that ``convert`` makes before it writes: OUT_DIR
     not overlapping MODEL_DIR, a directory, not being written by another convert, its contents
     (an earlier run of other inputs or parameters, foreign files, entries a clearing may not
-    remove), ``--link hard`` across filesystems, writable, and room for what will be written."""
+    remove), that every file it placed or folded is intact (a source changed in MODEL_DIR is
+    refused; what is damaged in OUT_DIR is to be repaired), ``--link hard`` across filesystems,
+    writable, and room for what will be written."""
     origin = model_dir if isinstance(model_dir, ModelSource) else ModelSource(Path(model_dir))
     out_dir = Path(out_dir)
     source = origin.to_dict()
@@ -242,19 +251,21 @@ def preflight(model_dir: Path | ModelSource, out_dir: Path, options: ConvertOpti
     if out_dir.is_dir() and is_locked(out_dir):
         raise busy_error(out_dir)
     key = run_key(identity)
-    found = find_previous_run(out_dir, key, identity, options)
+    proven = Proven()
+    found = assess_out_dir(plan, out_dir, key, identity, generated, options, proven)
     names, sidecar_bytes = to_place(plan, out_dir, found, options.link)
-    if found.state != "finished" or names:  # a finished output with nothing to place may be read-only
+    if found.state != "finished" or found.repair or names:  # an intact output with nothing to place may be read-only
         check_writable(out_dir)
     placement = plan_placement(plan, out_dir, names, options.link)
     free = require_free_space(plan, out_dir, sidecar_bytes, placement)
     copied = copy_bytes(plan, placement)
-    layers_done = len(plan.layers) if found.manifest else found.journal.layers_done() if found.journal else 0
+    layers_done = found.journal.layers_done() if found.journal else len(plan.layers) if found.manifest else 0
     return Preflight(
         plan,
         origin,
         out_dir,
         found.state,
+        found.repair,
         placement,
         sidecar_bytes,
         copied,
@@ -265,6 +276,7 @@ def preflight(model_dir: Path | ModelSource, out_dir: Path, options: ConvertOpti
         parameters,
         generated,
         device,
+        proven,
     )
 
 
@@ -292,7 +304,7 @@ def _convert_locked(pre: Preflight, options: ConvertOptions, started: float) -> 
     parameters = dict(pre.parameters)
     sidecars = {shard.name: shard.size for shard in plan.shards}
     source = origin.to_dict()
-    journal, repaired = prepare_out_dir(plan, out_dir, key, pre.identity, generated, options)
+    journal, repaired = prepare_out_dir(plan, out_dir, key, pre.identity, generated, options, pre.proven)
     if journal is None:
         replaced = replace_placed_otherwise(plan, out_dir, options.link)
         manifest = read_manifest(out_dir)
@@ -314,16 +326,17 @@ def _convert_locked(pre: Preflight, options: ConvertOptions, started: float) -> 
             replaced=tuple(replaced),
         )
     remove_stale_tmp_files(out_dir, keep={tmp_path_for(out_dir / name) for name in journal.shards})
-    if repaired:  # more to write than the preflight counted (which, made again now, would count the journal too)
+    if repaired != list(pre.repair):  # found under the lock: what changed since the preflight counted
         names, sidecar_bytes = to_place(plan, out_dir, journal, options.link)
         require_free_space(plan, out_dir, sidecar_bytes, plan_placement(plan, out_dir, names, options.link))
 
     counters = IOCounters()
     place_sources(plan, out_dir, journal, options, generated, counters)
     folded = hash_and_fold(plan, out_dir, journal, options, counters, device)
-    changed = recheck_journal(plan, out_dir, journal, generated)  # a change while this run folded
+    changed = recheck_journal(plan, out_dir, journal, generated, pre.proven)  # a change while this run folded
     if changed:
         journal.save()
+        discard_sidecars(plan, out_dir, changed)
         raise FoldckptError(
             f"{out_dir / changed[0]}: changed while this conversion ran; rerun the same command to redo it"
         )

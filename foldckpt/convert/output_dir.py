@@ -7,10 +7,11 @@ OUT_DIR; every refusal names the file and what differs.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -135,21 +136,46 @@ def _changed_source(out_dir: Path, src_path: Path, name: str, recorded: str, fin
     )
 
 
-def _holds(path: Path, cheap: bool, sha256: str | None) -> bool:
+class Proven:
+    """Files found by hashing to hold the bytes recorded, each with its fingerprint then
+    (:func:`~foldckpt.io.files.fingerprint`). What OUT_DIR holds is judged twice by a run: by its
+    preflight (the checks ``--dry-run`` makes too) and again under OUT_DIR's lock; a file unchanged
+    since the first judgement is not hashed a second time (a copied model: every file)."""
+
+    def __init__(self) -> None:
+        self._found: dict[Path, tuple[list[int], object]] = {}
+
+    def holds(self, path: Path, expected: object, check: Callable[[], bool]) -> bool:
+        """Whether ``path`` holds what ``expected`` records: proven before with the fingerprint it
+        has now, else ``check()`` (which hashes it)."""
+        before = fingerprint(path)
+        if before is not None and self._found.get(path) == (before, expected):
+            return True
+        if not check():
+            return False
+        if before is not None:
+            self._found[path] = (before, expected)
+        return True
+
+
+def _holds(path: Path, cheap: bool, sha256: str | None, proven: Proven) -> bool:
     """Whether ``path`` holds the bytes whose sha256 is recorded: ``cheap`` evidence (an unchanged
-    fingerprint) is trusted, else the file is hashed."""
+    fingerprint) is trusted, else the file is hashed (once: ``proven``)."""
     if not path.is_file():
         return False
     if cheap:
         return True
-    return sha256 is not None and sha256_file(path) == sha256
+    return sha256 is not None and proven.holds(path, sha256, lambda: sha256_file(path) == sha256)
 
 
-def recheck_journal(plan: ConversionPlan, out_dir: Path, journal: Journal, generated: dict[str, bytes]) -> list[str]:
+def recheck_journal(
+    plan: ConversionPlan, out_dir: Path, journal: Journal, generated: dict[str, bytes], proven: Proven
+) -> list[str]:
     """Check that every file the journal says is placed still holds the recorded bytes, in OUT_DIR
     and in MODEL_DIR (fingerprints first, sha256 where they differ). What is damaged in OUT_DIR
-    only is dropped from the journal, to be placed (and hashed) again: returns those names. A
-    source that changed after it was hashed (folds may come from it) is refused, naming it."""
+    only is dropped from the (in-memory) journal, to be placed, hashed or folded again: returns
+    those names (:func:`discard_sidecars` removes the sidecars among them). A source that changed
+    after it was hashed (folds may come from it) is refused, naming it. Writes nothing."""
     model_dir = plan.source.model_dir
     redo: list[str] = []
     for name in list(journal.placed):
@@ -158,7 +184,7 @@ def recheck_journal(plan: ConversionPlan, out_dir: Path, journal: Journal, gener
         sha = record["sha256"] if record else None
         out_path, src_path = out_dir / name, model_dir / name
         out_now = fingerprint(out_path)
-        out_ok = _holds(out_path, out_now is not None and out_now == prints.get("out"), sha)
+        out_ok = _holds(out_path, out_now is not None and out_now == prints.get("out"), sha, proven)
         if name in generated:
             out_ok = out_ok and out_path.read_bytes() == generated[name]
             src_ok = True
@@ -167,7 +193,7 @@ def recheck_journal(plan: ConversionPlan, out_dir: Path, journal: Journal, gener
             if src_now is not None and out_now is not None and src_now[:2] == out_now[:2]:
                 src_ok = out_ok  # one inode: the same bytes
             else:
-                src_ok = _holds(src_path, src_now is not None and src_now == prints.get("src"), sha)
+                src_ok = _holds(src_path, src_now is not None and src_now == prints.get("src"), sha, proven)
         if sha is not None and not src_ok:
             raise _changed_source(out_dir, src_path, name, sha, finished=False)
         if not (out_ok and src_ok):
@@ -182,30 +208,45 @@ def recheck_journal(plan: ConversionPlan, out_dir: Path, journal: Journal, gener
         if progress is None or progress.done is None or not path.exists():
             continue
         now = fingerprint(path)
-        if now != journal.fingerprints.get(shard.name, {}).get("out") and not _sidecar_holds(path, progress, plan):
+        if now != journal.fingerprints.get(shard.name, {}).get("out") and not _sidecar_holds(
+            path, progress, plan, proven
+        ):
             journal.shards[shard.name] = ShardProgress()
             journal.fingerprints.pop(shard.name, None)
-            remove_placed(out_dir, {shard.name: False})
             redo.append(shard.name)
     return redo
 
 
-def _sidecar_holds(path: Path, progress: ShardProgress, plan: ConversionPlan) -> bool:
+def discard_sidecars(plan: ConversionPlan, out_dir: Path, names: Iterable[str]) -> None:
+    """Remove the sidecars among ``names`` (found damaged: to be folded again) from OUT_DIR."""
+    sidecars = {shard.name for shard in plan.shards}
+    remove_placed(out_dir, {name: False for name in names if name in sidecars})
+
+
+def _sidecar_holds(path: Path, progress: ShardProgress, plan: ConversionPlan, proven: Proven) -> bool:
     """Whether a finished sidecar the journal records still holds its bytes (hashed: its
     fingerprint changed)."""
     assert progress.done is not None
-    folds = [FoldTensor.from_dict(name, record, plan.geometry.num_heads) for name, record in progress.tensors.items()]
-    return sidecar_intact(path, SidecarRecord.from_dict(progress.done), folds, plan.geometry.num_heads)
+    record = SidecarRecord.from_dict(progress.done)
+    folds = [FoldTensor.from_dict(name, data, plan.geometry.num_heads) for name, data in progress.tensors.items()]
+    return _sidecar_intact(path, record, folds, plan, proven)
+
+
+def _sidecar_intact(
+    path: Path, record: SidecarRecord, folds: list[FoldTensor], plan: ConversionPlan, proven: Proven
+) -> bool:
+    expected = (record, tuple(folds))
+    return proven.holds(path, expected, lambda: sidecar_intact(path, record, folds, plan.geometry.num_heads))
 
 
 def _recheck_manifest(
-    plan: ConversionPlan, out_dir: Path, manifest: Manifest, key: str, generated: dict[str, bytes]
+    plan: ConversionPlan, out_dir: Path, manifest: Manifest, key: str, generated: dict[str, bytes], proven: Proven
 ) -> tuple[Journal | None, list[str]]:
     """A finished output of this very run key: check that every file it vouches for still holds
     the recorded bytes. A file whose inode changed (ctime) after the manifest was written is
     hashed; the others are trusted on their size. Returns (None, []) when all is intact; else a
-    journal that redoes only what is damaged in OUT_DIR, and the damaged names. A source changed
-    in MODEL_DIR is refused, naming it."""
+    journal (in memory) that redoes only what is damaged in OUT_DIR, and the damaged names. A
+    source changed in MODEL_DIR is refused, naming it. Writes nothing."""
     model_dir = plan.source.model_dir
     stat = (out_dir / MANIFEST_NAME).stat()
     since = min(stat.st_mtime_ns, stat.st_ctime_ns)
@@ -218,13 +259,13 @@ def _recheck_manifest(
     damaged: list[str] = []
     for name, record in manifest.source_files.items():
         out_path, src_path = out_dir / name, model_dir / name
-        out_ok = _holds(out_path, quiet(out_path, record.size), record.sha256)
+        out_ok = _holds(out_path, quiet(out_path, record.size), record.sha256, proven)
         if name in generated:
             out_ok = out_ok and out_path.read_bytes() == generated[name]
         else:
             out_fp, src_fp = fingerprint(out_path), fingerprint(src_path)
             same_inode = out_fp is not None and src_fp is not None and out_fp[:2] == src_fp[:2]
-            src_ok = out_ok if same_inode else _holds(src_path, quiet(src_path, record.size), record.sha256)
+            src_ok = out_ok if same_inode else _holds(src_path, quiet(src_path, record.size), record.sha256, proven)
             if not src_ok:
                 raise _changed_source(out_dir, src_path, name, record.sha256, finished=True)
         if not out_ok:
@@ -236,19 +277,14 @@ def _recheck_manifest(
     for name, record in manifest.sidecars.items():
         path = out_dir / name
         folds = [tensor for tensor in manifest.tensors.values() if tensor.file == name]
-        if not (quiet(path, record.size) or sidecar_intact(path, record, folds, plan.geometry.num_heads)):
+        if not (quiet(path, record.size) or _sidecar_intact(path, record, folds, plan, proven)):
             damaged.append(name)
             continue
         progress = journal.shard(name)
         progress.offset, progress.done = record.size, record.to_dict()
         progress.tensors = {t.name: t.to_dict() for t in manifest.tensors.values() if t.file == name}
         journal.fingerprints[name] = {"out": fingerprint(path)}
-    if not damaged:
-        return None, []
-    journal.save()  # before the manifest goes: OUT_DIR must always read as ours
-    (out_dir / MANIFEST_NAME).unlink()
-    remove_placed(out_dir, {name: False for name in damaged if name in manifest.sidecars})
-    return journal, damaged
+    return (journal, damaged) if damaged else (None, [])
 
 
 @dataclass(frozen=True)
@@ -256,13 +292,16 @@ class OutDirState:
     """What OUT_DIR holds for a run of one run key, read without changing anything: ``new`` (no
     OUT_DIR yet), ``empty`` (nothing of ours, nothing foreign, or ``--overwrite``), ``resume`` (an
     unfinished run of this key: ``journal``), ``finished`` (a finished run of this key:
-    ``manifest``) or ``replace`` (an earlier run that ``--restart`` or ``--overwrite`` clears:
-    ``clear``, the entries to remove). Every other case is refused."""
+    ``manifest``; and where something of it is damaged, the ``journal`` that redoes it) or
+    ``replace`` (an earlier run that ``--restart`` or ``--overwrite`` clears: ``clear``, the
+    entries to remove). ``repair``: the files of a resumed or finished run found missing or
+    damaged in OUT_DIR, to be placed or folded again. Every other case is refused."""
 
     state: str
     journal: Journal | None = None
     manifest: Manifest | None = None
     clear: dict[str, bool] = field(default_factory=dict)
+    repair: tuple[str, ...] = ()
 
 
 def find_previous_run(out_dir: Path, key: str, identity: dict[str, Any], options: ConvertOptions) -> OutDirState:
@@ -299,6 +338,30 @@ def find_previous_run(out_dir: Path, key: str, identity: dict[str, Any], options
     return OutDirState("empty")
 
 
+def assess_out_dir(
+    plan: ConversionPlan,
+    out_dir: Path,
+    key: str,
+    identity: dict[str, Any],
+    generated: dict[str, bytes],
+    options: ConvertOptions,
+    proven: Proven,
+) -> OutDirState:
+    """What OUT_DIR holds (:func:`find_previous_run`) and, for a run of this key, finished or not,
+    whether every file it placed or wrote still holds its bytes: a source changed in MODEL_DIR is
+    refused, naming it; what is damaged in OUT_DIR is to be redone (``repair``). Writes nothing:
+    ``convert --dry-run`` makes these very checks, so that it refuses what the run refuses."""
+    found = find_previous_run(out_dir, key, identity, options)
+    if found.manifest is not None:
+        journal, damaged = _recheck_manifest(plan, out_dir, found.manifest, key, generated, proven)
+        return dataclasses.replace(found, journal=journal, repair=tuple(damaged))
+    if found.journal is not None:
+        return dataclasses.replace(
+            found, repair=tuple(recheck_journal(plan, out_dir, found.journal, generated, proven))
+        )
+    return found
+
+
 def prepare_out_dir(
     plan: ConversionPlan,
     out_dir: Path,
@@ -306,19 +369,26 @@ def prepare_out_dir(
     identity: dict[str, Any],
     generated: dict[str, bytes],
     options: ConvertOptions,
+    proven: Proven,
 ) -> tuple[Journal | None, list[str]]:
-    """Act on what OUT_DIR holds (:func:`find_previous_run`, again under the lock). Returns the journal of the
-    run (None: already done) and the names found damaged (to be redone)."""
-    found = find_previous_run(out_dir, key, identity, options)
+    """Act on what OUT_DIR holds (:func:`assess_out_dir`, made again under the lock: the files the
+    preflight proved intact and that have not changed since are not hashed again). Returns the
+    journal of the run (None: already done) and the names found damaged (to be redone)."""
+    found = assess_out_dir(plan, out_dir, key, identity, generated, options, proven)
     journal_path = out_dir / JOURNAL_NAME
     if found.manifest is not None:
         if journal_path.exists():  # only then: removing nothing fails too on a read-only filesystem
             _remove(journal_path)
-        return _recheck_manifest(plan, out_dir, found.manifest, key, generated)
+        if found.journal is None:
+            return None, []
+        found.journal.save()  # before the manifest goes: OUT_DIR must always read as ours
+        (out_dir / MANIFEST_NAME).unlink()
+        discard_sidecars(plan, out_dir, found.repair)
+        return found.journal, list(found.repair)
     if found.journal is not None:
-        redo = recheck_journal(plan, out_dir, found.journal, generated)
-        found.journal.save()
-        return found.journal, redo
+        found.journal.save()  # before the damaged sidecars go: it no longer counts them done
+        discard_sidecars(plan, out_dir, found.repair)
+        return found.journal, list(found.repair)
     if found.clear:
         remove_placed(out_dir, found.clear)
         remove_stale_tmp_files(out_dir)

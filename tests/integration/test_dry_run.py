@@ -12,13 +12,15 @@ same exit code and the same one-line message, and the dry run's placement to be 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
 
 import pytest
 
-from foldckpt.format.manifest import read_manifest
+from foldckpt.defaults import JOURNAL_NAME
+from foldckpt.format.manifest import MANIFEST_NAME, read_manifest
 from foldckpt.inspect import conversion_status, describe_conversion
 from foldckpt.model.synthetic import make_checkpoint
 from tests.conftest import run_foldckpt
@@ -28,6 +30,7 @@ from tests.integration.test_resume import (
     LAYERS,
     journaled_layers,
     kill_after_layers,
+    kill_when,
     one_error_line,
     spawn_convert,
 )
@@ -169,6 +172,70 @@ def test_an_unfinished_run_s_refusal_names_the_source_file_that_differs(model: P
     (source / "notes.md").write_text("new\n")
     line = assert_refused_alike(source, out, *CONVERT_ARGS)
     assert "unfinished conversion of other inputs or parameters (source files new in the model: notes.md)" in line
+
+
+def flip_last_byte(path: Path) -> None:
+    """Change a file's last byte in place (the inode stays: a hard link sees it too)."""
+    with open(path, "r+b") as handle:
+        handle.seek(-1, os.SEEK_END)
+        byte = handle.read(1)[0]
+        handle.seek(-1, os.SEEK_END)
+        handle.write(bytes([byte ^ 0xFF]))
+
+
+def test_a_source_changed_after_a_finished_run_is_refused_by_the_dry_run_too(small_model: Path, tmp_path: Path) -> None:
+    """After a finished --link copy conversion, an edit of MODEL_DIR/tokenizer_config.json made the
+    dry run say "already converted ... nothing to fold" (exit 0) and the run refuse (exit 2):
+    the dry run did not recheck the sources (issue 46)."""
+    model = Path(shutil.copytree(small_model, tmp_path / "model"))
+    out = tmp_path / "out"
+    assert run_foldckpt("convert", model, out, "--link", "copy", "-q").returncode == 0
+    (model / "tokenizer_config.json").write_text('{"edited": true}\n')
+    line = assert_refused_alike(model, out, "--link", "copy")
+    assert f"{model / 'tokenizer_config.json'}: changed since {out} was converted from it" in line, line
+    assert "finished conversion of the earlier bytes" in line
+
+
+def test_a_source_changed_after_an_interrupted_run_is_refused_by_the_dry_run_too(model: Path, tmp_path: Path) -> None:
+    """After an interrupted run, a change of a source it had hashed made the dry run say
+    "resumed" (exit 0) and the run refuse (exit 2)."""
+    source = Path(shutil.copytree(model, tmp_path / "model"))
+    out = tmp_path / "out"
+
+    def hashed_shards() -> list[str]:
+        try:
+            hashes = json.loads((out / JOURNAL_NAME).read_text())["source_hashes"]
+        except (FileNotFoundError, ValueError):
+            return []
+        return [name for name in hashes if name.endswith(".safetensors")]
+
+    assert kill_when(spawn_convert(source, out), lambda: bool(hashed_shards())), "the run finished first"
+    assert not (out / MANIFEST_NAME).exists()
+    changed = hashed_shards()[0]
+    flip_last_byte(source / changed)  # tensor data: the plan, from headers, still holds
+    line = assert_refused_alike(source, out, *CONVERT_ARGS)
+    assert f"{source / changed}: changed since {out} was converted from it" in line, line
+    assert "unfinished conversion of the earlier bytes" in line
+
+
+def test_the_dry_run_names_what_a_finished_run_repairs_and_the_run_repairs_it(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """A finished output with a file missing and a sidecar damaged: the dry run said "nothing to
+    fold" where the run places and folds them again."""
+    out = tmp_path / "out"
+    assert run_foldckpt("convert", small_model, out, "-q").returncode == 0
+    sidecar = next(out.glob("foldckpt-*.safetensors"))
+    (out / "tokenizer.json").unlink()
+    flip_last_byte(sidecar)
+    plan = json.loads(run_foldckpt("convert", small_model, out, "--dry-run", "--json").stdout)
+    assert plan["repair"] == ["tokenizer.json", sidecar.name]
+    text = run_foldckpt("convert", small_model, out, "--dry-run").stdout.splitlines()
+    assert f"repair     tokenizer.json, {sidecar.name}: missing or damaged in OUT_DIR, placed or folded again" in text
+    assert not any("nothing to fold" in line for line in text), text
+    result = json.loads(run_foldckpt("convert", small_model, out, "-q", "--json").stdout)
+    assert result["repaired"] == plan["repair"]
+    assert run_foldckpt("verify", out, "-q").returncode == 0
 
 
 def test_inspect_of_an_interrupted_conversion_says_so_and_how_to_resume(model: Path, tmp_path: Path) -> None:
