@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from foldckpt import __version__, signals
+from foldckpt.defaults import JOURNAL_NAME
 from foldckpt.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERNAL,
@@ -71,8 +72,9 @@ _SIZE_UNITS = {
 }
 _TP_HINT = "give positive integers such as --tp 8 or --tp 1,2,4,8"
 
-# Set by ``convert`` once it starts writing OUT_DIR: an interruption from then on is resumable.
-_resumable = False
+# Set by ``convert`` to its OUT_DIR once it starts writing there: an interruption from then on is
+# resumable, and what the rerun resumes from is read there (:func:`_kept`).
+_resumable: Path | None = None
 
 
 class ByteSize(click.ParamType):
@@ -355,9 +357,9 @@ def convert_command(
         else:
             _print_plan(pre, source)
         return
-    _resumable = True
+    _resumable = out_dir
     result = convert(source, out_dir, options)
-    _resumable = False
+    _resumable = None
     _emit_json(result.to_dict()) if as_json else _print_convert(result)
 
 
@@ -515,6 +517,26 @@ def _name_too_long(exc: OSError) -> str:
     )
 
 
+def _kept(out_dir: Path) -> str:
+    """What an interrupted convert leaves in ``out_dir`` for the rerun, as its journal (or manifest)
+    records it. Why read: the message said "the finished layers are kept" also when none had
+    finished (a ^C while the sources were placed or torch imported)."""
+    from foldckpt.convert.journal import Journal
+    from foldckpt.format.manifest import MANIFEST_NAME
+
+    if (out_dir / MANIFEST_NAME).is_file():  # interrupted while a finished output was rechecked
+        return "the finished conversion is kept"
+    try:
+        journal = Journal.load(out_dir / JOURNAL_NAME) if (out_dir / JOURNAL_NAME).is_file() else None
+    except FoldckptError:
+        journal = None
+    done = 0 if journal is None else journal.layers_done()
+    if not done:
+        return "no MLA layer had finished yet"
+    total = "" if journal is None or journal.layers is None else f" of {journal.layers}"
+    return f"{done}{total} MLA layer(s) finished and kept"
+
+
 def _write_traceback() -> str:
     fd, path = tempfile.mkstemp(prefix="foldckpt-traceback-", suffix=".txt")
     with os.fdopen(fd, "w") as handle:
@@ -559,11 +581,10 @@ def main(args: list[str] | None = None) -> None:
         _fail(EXIT_BAD_INPUT, "input", str(exc), as_json)
     except (Interrupted, KeyboardInterrupt, click.exceptions.Abort) as exc:
         signum, name = (exc.signum, exc.name) if isinstance(exc, Interrupted) else (signal.SIGINT, "SIGINT")
-        if _resumable:
-            message = f"interrupted by {name}; the finished layers are kept: rerun the same command to resume"
-        else:
-            message = f"interrupted by {name}"
-        _fail(128 + signum, "interrupted", message, as_json, signal=name, resumable=_resumable)
+        message = f"interrupted by {name}"
+        if _resumable is not None:
+            message += f"; {_kept(_resumable)}: rerun the same command to resume"
+        _fail(128 + signum, "interrupted", message, as_json, signal=name, resumable=_resumable is not None)
     except Exception as exc:
         if isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG:
             _fail(EXIT_BAD_INPUT, "input", _name_too_long(exc), as_json)

@@ -163,8 +163,10 @@ def test_a_signal_during_convert_exits_130_or_143_in_one_line_and_the_rerun_resu
     stdout, stderr = process.communicate(timeout=60)
     name = signal.Signals(signum).name
     assert process.returncode == code, (process.returncode, stdout, stderr)
+    done = journaled_layers(out)
     assert stderr.splitlines() == [
-        f"foldckpt: interrupted by {name}; the finished layers are kept: rerun the same command to resume"
+        f"foldckpt: interrupted by {name}; {done} of {LAYERS} MLA layer(s) finished and kept: "
+        "rerun the same command to resume"
     ], stderr
     if as_json:
         error = json.loads(stdout)["error"]
@@ -182,6 +184,31 @@ def test_a_signal_during_convert_exits_130_or_143_in_one_line_and_the_rerun_resu
     assert sorted(summary["resumed_layers"] + summary["folded_layers"]) == list(range(LAYERS))
     for path in reference.iterdir():
         assert (out / path.name).read_bytes() == path.read_bytes(), path.name
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
+
+
+def test_ctrl_c_before_any_layer_finished_does_not_say_layers_are_kept(
+    deepseek: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A ^C while the sources were placed or torch imported said "the finished layers are kept"
+    when none had finished (issue 46): what is kept is read from OUT_DIR's journal."""
+    model, reference = deepseek
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "foldckpt", "convert", str(model), str(out), "--max-shard-size", MAX_SHARD_SIZE]
+    process = subprocess.Popen([*args, "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while process.poll() is None and not (out / JOURNAL_NAME).exists():  # its first durable step
+        assert time.monotonic() < deadline, "convert never wrote its journal"
+        time.sleep(0.001)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert journaled_layers(out) == 0, "a layer finished before the signal: the premise failed"
+    assert stderr.splitlines() == [
+        "foldckpt: interrupted by SIGINT; no MLA layer had finished yet: rerun the same command to resume"
+    ], stderr
+    rerun = run_foldckpt(*args[3:], "-q")
+    assert rerun.returncode == 0, rerun.stderr
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
 
 
