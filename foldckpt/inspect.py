@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,10 +71,10 @@ def describe_conversion(directory: Path, status: dict[str, Any]) -> str:
         pid = f" (pid {status['pid']})" if status["pid"] else ""
         return f"a conversion is running{pid}; wait for it to finish"
     total = f" of {status['layers_total']}" if status["layers_total"] is not None else ""
-    model = status["model"] or "MODEL_DIR"
+    model = shlex.quote(status["model"]) if status["model"] else "MODEL_DIR"
     return (
         f"interrupted conversion: {status['layers_done']}{total} layers done; resume with: "
-        f"foldckpt convert {model} {directory} (the same options), or pass --restart to start over"
+        f"foldckpt convert {model} {shlex.quote(str(directory))} (the same options), or pass --restart to start over"
     )
 
 

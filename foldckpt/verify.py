@@ -54,6 +54,7 @@ from foldckpt.format.consistency import (
     unlisted_entries,
 )
 from foldckpt.format.manifest import MANIFEST_NAME, Manifest, SourceTensor, file_sha256, read_manifest
+from foldckpt.inspect import conversion_status, describe_conversion
 from foldckpt.io.direct_io import BufferPool
 from foldckpt.io.files import is_locked, sha256_file, worker_pool
 from foldckpt.io.hashing import (
@@ -590,6 +591,9 @@ def verify(out_dir: Path, options: VerifyOptions = VerifyOptions()) -> VerifyRep
         raise FoldckptError(
             f"{out_dir}: a foldckpt convert is writing this directory right now; verify it once that has finished"
         )
+    conversion = conversion_status(out_dir)
+    if conversion is not None:  # as inspect says it, with the command that finishes it
+        raise FoldckptError(f"{out_dir}: {describe_conversion(out_dir, conversion)}")
     allowed: list[str] = []
 
     def report(levels: tuple[LevelResult, ...], sha256: str | None) -> VerifyReport:

@@ -252,6 +252,18 @@ def test_inspect_of_an_interrupted_conversion_says_so_and_how_to_resume(model: P
     assert json.loads(run_foldckpt("inspect", out, "--json").stdout)["conversion"] == expected
 
 
+def test_verify_of_an_interrupted_conversion_says_how_to_resume_it_as_inspect_does(model: Path, tmp_path: Path) -> None:
+    """verify said only "foldckpt.json: not found; ... not a finished foldckpt conversion" where
+    inspect gives the command that finishes it (issue 46)."""
+    out = tmp_path / "out"
+    assert kill_after_layers(model, out, 1, 0.0), "the run finished before it could be killed"
+    status = conversion_status(out)
+    assert status is not None
+    line = one_error_line(run_foldckpt("verify", out))
+    assert line == f"foldckpt: error: {out}: {describe_conversion(out, status)}"
+    assert f"resume with: foldckpt convert {model} {out} (the same options)" in line
+
+
 def test_inspect_of_a_running_conversion_names_its_process(model: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     process = spawn_convert(model, out)
