@@ -2,7 +2,8 @@
 
 A bar redrawn with ``\\r`` is unreadable once stderr is a file or a CI log (every frame piles up on
 one line), so when the stream is not a TTY progress is written as whole lines instead: one every
-``FOLDCKPT_PROGRESS_INTERVAL`` seconds (default 10) while the work runs, and one when it ends.
+``FOLDCKPT_PROGRESS_INTERVAL`` seconds (default 10) while the work runs, and one when it ends, each
+only when its count differs from the line before.
 tqdm is imported only when a bar is actually drawn.
 """
 
@@ -53,21 +54,29 @@ class _Lines(_Silent):
         self.started = self.last = time.monotonic()
         self._lock = threading.Lock()
         self._closed = False
+        self._shown: str | None = None  # the count of the last line written
 
     def _amount(self, value: float) -> str:
         return human_bytes(value) if self.unit == "B" else f"{value:.0f}"
 
-    def _line(self, now: float) -> str:
-        elapsed = now - self.started
+    def _count(self) -> str:
         share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
         unit = "" if self.unit == "B" else f" {self.unit}s" if self.total != 1 else f" {self.unit}"
-        rate = f", {human_bytes(self.done / elapsed)}/s" if self.unit == "B" and elapsed > 0 else ""
-        postfix = f", {self.postfix}" if self.postfix else ""
-        return f"{self.desc}: {self._amount(self.done)}/{self._amount(self.total)}{unit}{share} in {elapsed:.1f} s{rate}{postfix}"
+        return f"{self._amount(self.done)}/{self._amount(self.total)}{unit}{share}"
 
     def _write(self, now: float) -> None:
-        self.last = now
-        self.stream.write(self._line(now) + "\n")
+        """Write a line, unless it would show the count the last one showed: a stage that waits
+        (hashing while the fold runs) or moves by less than the rounding of the count (``8.7 MB``,
+        ``52%``) printed the same count again and again, which reads as a stall. It is written
+        once the count moves."""
+        count = self._count()
+        if count == self._shown:
+            return
+        self._shown, self.last = count, now
+        elapsed = now - self.started
+        rate = f", {human_bytes(self.done / elapsed)}/s" if self.unit == "B" and elapsed > 0 else ""
+        postfix = f", {self.postfix}" if self.postfix else ""
+        self.stream.write(f"{self.desc}: {count} in {elapsed:.1f} s{rate}{postfix}\n")
         self.stream.flush()
 
     def update(self, n: int = 1) -> None:
