@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from foldckpt import __version__, signals
+from foldckpt import __version__
+from foldckpt.console import signals
+from foldckpt.console.progress import human_bytes
 from foldckpt.defaults import JOURNAL_NAME
 from foldckpt.errors import (
     EXIT_BAD_INPUT,
@@ -48,13 +50,12 @@ from foldckpt.errors import (
 from foldckpt.io.files import json_safe
 from foldckpt.model.geometry import describe_layers
 from foldckpt.options import COUNT, INDEX, PATTERNS, SIZE, TP_SIZES, ConvertOptions, VerifyOptions
-from foldckpt.progress import human_bytes
 
 if TYPE_CHECKING:
     from foldckpt.convert import ConvertResult, Preflight
+    from foldckpt.format.report import VerifyReport
     from foldckpt.inspect import Inspection
     from foldckpt.model.hub import ModelSource
-    from foldckpt.verify import VerifyReport
 
 __all__ = ["cli", "human_bytes", "main"]
 

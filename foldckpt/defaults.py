@@ -115,7 +115,7 @@ def resolve_fold_device(name: str) -> str:
         if not any(os.path.exists(path) for path in GPU_DEVICE_FILES):
             require_fold_device("cuda")  # no device file: ask torch now, before the run starts
         return "cuda"
-    from foldckpt.signals import import_torch
+    from foldckpt.console.signals import import_torch
 
     torch = import_torch()
 
@@ -129,7 +129,7 @@ def require_fold_device(device: str, advice: str = "use --device cpu or auto") -
 
     if device != "cuda":
         return
-    from foldckpt.signals import import_torch
+    from foldckpt.console.signals import import_torch
 
     torch = import_torch()
 

@@ -22,8 +22,8 @@ from foldckpt.defaults import (
 )
 from foldckpt.io.files import LINK_MODES
 
-if TYPE_CHECKING:
-    from foldckpt.verify import VerifyReport
+if TYPE_CHECKING:  # at start-up the CLI imports this module and no more than it needs
+    from foldckpt.format.report import VerifyReport
 
 # verify's levels, cheapest first; each level includes the ones before it.
 LEVELS = ("manifest", "structure", "content", "deep")

@@ -37,10 +37,11 @@ import dataclasses
 import functools
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from foldckpt.console.progress import progress_bar
+from foldckpt.console.signals import import_torch
 from foldckpt.errors import FoldckptError, ManifestError
 from foldckpt.format.consistency import (
     Problem,
@@ -54,6 +55,7 @@ from foldckpt.format.consistency import (
     unlisted_entries,
 )
 from foldckpt.format.manifest import MANIFEST_NAME, Manifest, SourceTensor, file_sha256, read_manifest
+from foldckpt.format.report import LevelResult, VerifyReport
 from foldckpt.inspect import conversion_status, describe_conversion
 from foldckpt.io.direct_io import BufferPool
 from foldckpt.io.files import is_locked, sha256_file, worker_pool
@@ -68,63 +70,11 @@ from foldckpt.io.hashing import (
 from foldckpt.io.safetensors_format import read_header, read_tensor_bytes
 from foldckpt.model.checkpoint import INDEX_NAME, SourceCheckpoint, open_source_checkpoint
 from foldckpt.options import LEVELS, VerifyOptions
-from foldckpt.progress import progress_bar
-from foldckpt.signals import import_torch
 
 # torch (and the fold math) is imported by the deep level only: the cheaper levels read headers
 # and hash bytes, and start in a fraction of the time torch takes to import.
 
 __all__ = ["LEVELS", "LevelResult", "Problem", "VerifyOptions", "VerifyReport", "default_workers", "verify"]
-
-
-@dataclass(frozen=True)
-class LevelResult:
-    name: str
-    ok: bool
-    summary: str
-    problems: tuple[Problem, ...] = ()
-    elapsed_s: float = 0.0
-    bytes_read: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "ok": self.ok,
-            "summary": self.summary,
-            "problems": [problem.to_dict() for problem in self.problems],
-            "elapsed_s": round(self.elapsed_s, 6),
-            "bytes_read": self.bytes_read,
-        }
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    out_dir: Path
-    levels: tuple[LevelResult, ...] = field(default_factory=tuple)
-    elapsed_s: float = 0.0
-    # sha256 of the foldckpt.json file, as `sha256sum` prints it: what a user pins.
-    manifest_sha256: str | None = None
-    # The allow-list asked for, and the unlisted entries it let through.
-    allow_extra: tuple[str, ...] = ()
-    allowed_extra: tuple[str, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return all(level.ok for level in self.levels)
-
-    @property
-    def problems(self) -> tuple[Problem, ...]:
-        return tuple(problem for level in self.levels for problem in level.problems)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "out_dir": str(self.out_dir),
-            "ok": self.ok,
-            "manifest_sha256": self.manifest_sha256,
-            "allow_extra": {"patterns": list(self.allow_extra), "allowed": list(self.allowed_extra)},
-            "levels": [lv.to_dict() for lv in self.levels],
-            "elapsed_s": round(self.elapsed_s, 6),
-        }
 
 
 def _level(name: str, problems: list[Problem], summary: str, bytes_read: int = 0) -> LevelResult:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from foldckpt.console.signals import passive_openmp
 from foldckpt.convert.folding import hash_and_fold
 from foldckpt.convert.journal import (
     Journal,
@@ -83,7 +84,6 @@ from foldckpt.io.files import (
 )
 from foldckpt.model.hub import ModelSource
 from foldckpt.options import ConvertOptions
-from foldckpt.signals import passive_openmp
 
 if TYPE_CHECKING:
     pass

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from foldckpt.console.progress import progress_bar
+from foldckpt.console.signals import import_torch
 from foldckpt.convert.journal import Journal, ShardProgress
 from foldckpt.convert.plan import (
     SIDECAR_METADATA,
@@ -41,8 +43,6 @@ from foldckpt.io.files import (
 )
 from foldckpt.io.hashing import default_workers
 from foldckpt.options import ConvertOptions
-from foldckpt.progress import progress_bar
-from foldckpt.signals import import_torch
 
 if TYPE_CHECKING:
     from foldckpt.convert.layer import Fetch, FoldRing

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from foldckpt.console.progress import progress_bar
 from foldckpt.convert.journal import Journal
 from foldckpt.convert.plan import (
     ConversionPlan,
@@ -29,7 +30,6 @@ from foldckpt.io.files import (
     vanished,
 )
 from foldckpt.options import ConvertOptions
-from foldckpt.progress import progress_bar
 
 if TYPE_CHECKING:
     pass

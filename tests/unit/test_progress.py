@@ -1,4 +1,4 @@
-"""Progress lines when stderr is not a terminal (``foldckpt.progress``)."""
+"""Progress lines when stderr is not a terminal (``foldckpt.console.progress``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from foldckpt.progress import INTERVAL_ENV, progress_bar
+from foldckpt.console.progress import INTERVAL_ENV, progress_bar
 
 
 def counts(text: str) -> list[str]:

@@ -1,0 +1,1 @@
+"""How a command runs at the console: progress on stderr, SIGINT and SIGTERM (no torch at import)."""
