@@ -32,7 +32,7 @@ from foldckpt.runtime.kernels.tuning import (
     load_table,
     skinny_config,
 )
-from tests.gpu.kernel_cases import MAX_RELERR, SHAPES, K, record_launches
+from tests.gpu.kernel_cases import MAX_RELERR, SHAPES, K, fp8_relerr, fp8_weight, record_launches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -61,19 +61,6 @@ FIXED_SKINNY = (
 )
 
 
-def fp8_weight(n: int, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """An fp8 fold weight as convert writes it: a random fold quantized per row, and its scale."""
-    return quantize_fp8_rows(torch.randn(n, K, device=device, generator=gen) / K**0.5)
-
-
-def relerr(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> float:
-    ref = x.double() @ (w.double() * scale.double()[:, None]).t()
-    diff = y.double() - ref
-    if not torch.isfinite(diff).all():
-        return float("inf")
-    return (diff.norm() / ref.norm()).item()
-
-
 def table_fp8_configs(device: torch.device, n: int) -> tuple[KernelConfig, ...]:
     table = load_table(gpu_key(device))
     entry = table.fp8_shapes.get((n, K)) if table is not None else None
@@ -90,7 +77,7 @@ def test_fp8_kernel_matches_fp64(cuda: torch.device, gen: torch.Generator, n: in
             y = torch.full((m, n), float("nan"), device=cuda, dtype=torch.bfloat16)
             triton_gemm.reserve_workspace(cuda, *triton_gemm.workspace_needs(m, n, cfg))
             triton_gemm.launch_fold_gemm(x, w, y, cfg, scale=scale)
-            err = relerr(y, x, w, scale)
+            err = fp8_relerr(y, x, w, scale)
             assert err < MAX_RELERR, f"N={n} M={m} {cfg}: relerr {err}"
 
 
@@ -105,7 +92,7 @@ def test_fp8_skinny_kernel_matches_fp64(cuda: torch.device, gen: torch.Generator
             x = torch.randn(m, K + 576, device=cuda, generator=gen).bfloat16()[:, :K]
             y = torch.full((m, n), float("nan"), device=cuda, dtype=torch.bfloat16)
             triton_gemm.launch_skinny_gemm(x, w, y, cfg, scale=scale)
-            err = relerr(y, x, w, scale)
+            err = fp8_relerr(y, x, w, scale)
             assert err < MAX_RELERR, f"N={n} M={m} {cfg}: relerr {err}"
 
 
@@ -121,7 +108,7 @@ def test_fp8_split_k_is_deterministic_and_resets_counters(cuda: torch.device, ge
         triton_gemm.launch_fold_gemm(x, w, y, cfg, scale=scale)
         outs.append(y)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-    assert relerr(outs[0], x, w, scale) < MAX_RELERR
+    assert fp8_relerr(outs[0], x, w, scale) < MAX_RELERR
     torch.cuda.synchronize()
     assert int(triton_gemm._WORKSPACES[cuda.index or 0].counters.abs().sum()) == 0
 
@@ -138,9 +125,9 @@ def test_fp8_fold_gemm_dispatch_every_m(cuda: torch.device, gen: torch.Generator
         out = out_buf[:, 32 : 32 + n]
         got = fold_gemm(x, w, out=out, scale=scale)
         assert got.data_ptr() == out.data_ptr()
-        assert relerr(out, x, w, scale) < MAX_RELERR, f"N={n} M={m}"
+        assert fp8_relerr(out, x, w, scale) < MAX_RELERR, f"N={n} M={m}"
         assert torch.isnan(out_buf[:, :32]).all() and torch.isnan(out_buf[:, 32 + n :]).all(), "wrote outside out"
-        assert relerr(fold_gemm(x, w, scale=scale), x, w, scale) < MAX_RELERR
+        assert fp8_relerr(fold_gemm(x, w, scale=scale), x, w, scale) < MAX_RELERR
 
 
 def test_fp8_dispatch_follows_the_table(
@@ -165,7 +152,7 @@ def test_fp8_dispatch_follows_the_table(
                     "torch": [],
                 }[bucket.backend]
                 assert launches == expected, f"N={entry.n} M={m}"
-                assert relerr(y, x, w, scale) < MAX_RELERR
+                assert fp8_relerr(y, x, w, scale) < MAX_RELERR
             lo = bucket.m_max
     w, scale = fp8_weight(RAGGED_N, cuda, gen)
     lo = 0
@@ -173,7 +160,7 @@ def test_fp8_dispatch_follows_the_table(
         for m in sorted({lo + 1, m_max}):
             launches.clear()
             x = torch.randn(m, K, device=cuda, generator=gen).bfloat16()
-            assert relerr(fold_gemm(x, w, scale=scale), x, w, scale) < MAX_RELERR
+            assert fp8_relerr(fold_gemm(x, w, scale=scale), x, w, scale) < MAX_RELERR
             assert launches == [("tiled", cfg, True)], f"untuned N={RAGGED_N} M={m}"
         lo = m_max
 
@@ -232,7 +219,7 @@ def test_fp8_cuda_graph_capture_and_replay(cuda: torch.device, gen: torch.Genera
         torch.cuda.synchronize()
         for x, y in zip(xs, ys, strict=True):
             assert torch.equal(y, fold_gemm(x, w, scale=scale)), f"replay differs from eager at M={x.shape[0]}"
-            assert relerr(y, x, w, scale) < MAX_RELERR
+            assert fp8_relerr(y, x, w, scale) < MAX_RELERR
 
 
 @pytest.mark.parametrize("n", SHAPES)
@@ -281,7 +268,7 @@ def test_fp8_pdl_reads_the_x_its_predecessor_writes(cuda: torch.device, gen: tor
             triton_gemm.launch_fold_gemm(x, w, ys[i], cfg, scale=scale)
         torch.cuda.synchronize()
         for i in range(steps):
-            assert relerr(ys[i], torch.matmul(a[i], b), w, scale) < MAX_RELERR, f"{cfg} step {i}"
+            assert fp8_relerr(ys[i], torch.matmul(a[i], b), w, scale) < MAX_RELERR, f"{cfg} step {i}"
 
 
 def test_fp8_route_max_tokens_reads_its_own_entries(cuda: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:

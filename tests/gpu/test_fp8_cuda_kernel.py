@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from foldckpt.fold import quantize_fp8_rows
 from foldckpt.runtime.kernels import cuda_fp8, dispatch, fold_gemm, warmup_fold_gemm
-from tests.gpu.kernel_cases import MAX_RELERR, SHAPES, K
+from tests.gpu.kernel_cases import MAX_RELERR, SHAPES, K, fp8_relerr, fp8_weight
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -33,18 +32,6 @@ def hopper(cuda: torch.device) -> torch.device:
     return cuda
 
 
-def fp8_weight(n: int, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_fp8_rows(torch.randn(n, K, device=device, generator=gen) / K**0.5)
-
-
-def relerr(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> float:
-    ref = x.double() @ (w.double() * scale.double()[:, None]).t()
-    diff = y.double() - ref
-    if not torch.isfinite(diff).all():
-        return float("inf")
-    return (diff.norm() / ref.norm()).item()
-
-
 @pytest.mark.parametrize("conversion", sorted(cuda_fp8.CONVERSIONS))
 @pytest.mark.parametrize("n", NS)
 def test_every_element_matches_fp64(hopper: torch.device, gen: torch.Generator, n: int, conversion: str) -> None:
@@ -55,7 +42,7 @@ def test_every_element_matches_fp64(hopper: torch.device, gen: torch.Generator, 
         x = torch.randn(m, K, device=hopper, dtype=torch.bfloat16, generator=gen)
         y = torch.full((m, n), float("nan"), device=hopper, dtype=torch.bfloat16)
         cuda_fp8.launch(x, w, scale, y, conversion=conversion)
-        err = relerr(y, x, w, scale)
+        err = fp8_relerr(y, x, w, scale)
         assert err < MAX_RELERR, f"N={n} M={m} {conversion}: relerr {err:.2e}"
 
 
@@ -69,9 +56,9 @@ def test_strided_views_and_a_new_output(hopper: torch.device, gen: torch.Generat
     y = wide_y[:, 32 : 32 + n]
     assert cuda_fp8.supports(x, w, y, scale)
     cuda_fp8.launch(x, w, scale, y)
-    assert relerr(y, x, w, scale) < MAX_RELERR
+    assert fp8_relerr(y, x, w, scale) < MAX_RELERR
     assert torch.isnan(wide_y[:, :32]).all() and torch.isnan(wide_y[:, 32 + n :]).all(), "wrote outside out"
-    assert relerr(cuda_fp8.launch(x, w, scale), x, w, scale) < MAX_RELERR
+    assert fp8_relerr(cuda_fp8.launch(x, w, scale), x, w, scale) < MAX_RELERR
 
 
 def test_replays_in_a_cuda_graph_with_pdl_after_the_kernel_that_writes_x(
@@ -93,7 +80,7 @@ def test_replays_in_a_cuda_graph_with_pdl_after_the_kernel_that_writes_x(
         y.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert relerr(y, src * 2, w, scale) < MAX_RELERR
+        assert fp8_relerr(y, src * 2, w, scale) < MAX_RELERR
 
 
 def test_fold_gemm_runs_it_where_the_table_says_cuda(
@@ -121,14 +108,14 @@ def test_fold_gemm_runs_it_where_the_table_says_cuda(
     launched.clear()
     for m in ms:
         x = torch.randn(m, K, device=hopper, dtype=torch.bfloat16, generator=gen)
-        assert relerr(fold_gemm(x, w, scale=scale), x, w, scale) < MAX_RELERR
+        assert fp8_relerr(fold_gemm(x, w, scale=scale), x, w, scale) < MAX_RELERR
     assert launched == ms
     monkeypatch.setenv(dispatch.CUDA_KERNELS_ENV, "0")
     dispatch._cuda_fp8_module.cache_clear()
     try:
         launched.clear()
         x = torch.randn(ms[0], K, device=hopper, dtype=torch.bfloat16, generator=gen)
-        assert relerr(fold_gemm(x, w, scale=scale), x, w, scale) < MAX_RELERR
+        assert fp8_relerr(fold_gemm(x, w, scale=scale), x, w, scale) < MAX_RELERR
         assert launched == []
     finally:
         monkeypatch.delenv(dispatch.CUDA_KERNELS_ENV)
@@ -158,4 +145,4 @@ def test_a_corrupt_cache_entry_is_rebuilt_and_never_loaded(
     w, scale = fp8_weight(n, hopper, gen)
     x = torch.randn(m, K, device=hopper, dtype=torch.bfloat16, generator=gen)
     assert cuda_fp8.launch_plan(x, w).variant == variant
-    assert relerr(cuda_fp8.launch(x, w, scale), x, w, scale) < MAX_RELERR
+    assert fp8_relerr(cuda_fp8.launch(x, w, scale), x, w, scale) < MAX_RELERR

@@ -114,14 +114,7 @@ def _deepseek_v3(config: VllmConfig) -> Built:
     text = config.model_config.hf_text_config
     layer = DeepseekV2MLAAttention(
         vllm_config=config,
-        config=text,
-        hidden_size=text.hidden_size,
-        num_heads=text.num_attention_heads,
-        qk_nope_head_dim=text.qk_nope_head_dim,
-        qk_rope_head_dim=text.qk_rope_head_dim,
-        v_head_dim=text.v_head_dim,
-        q_lora_rank=text.q_lora_rank,
-        kv_lora_rank=text.kv_lora_rank,
+        **mla_dims(text),
         max_position_embeddings=text.max_position_embeddings,
         cache_config=config.cache_config,
         prefix=LAYERS["deepseek_v3"],
