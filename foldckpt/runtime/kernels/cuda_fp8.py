@@ -381,10 +381,15 @@ def _function(device: _Device, variant: tuple[int, int], conversion: str) -> cty
 
 def runs_on(device: torch.device) -> bool:
     """Whether this kernel can serve on ``device``: an sm_90 GPU (H100, H200, H800, H20, GH200)
-    whose driver and NVRTC load. Building happens later (``prepare``)."""
+    whose driver and NVRTC load. Building happens at the first launch of each variant."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _runs_on_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _runs_on_index(index: int) -> bool:
+    """``runs_on`` per device, asked once: the dispatcher asks on every fp8 decode call."""
     if torch.cuda.get_device_capability(index) != (9, 0):
         return False
     try:

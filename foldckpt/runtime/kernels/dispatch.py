@@ -335,8 +335,11 @@ def fold_query(
     rope.check(x.shape[0], weight.shape[0])
     on_gpu = x.device.type == "cuda" and x.shape[0] > 0
     # A bucket of the fp8 Hopper kernel runs it and then the RoPE kernel (it has no RoPE epilogue).
-    cuda = on_gpu and scale is not None and _cuda_fp8_ready(x, weight, None, scale) is not None
-    if on_gpu and not cuda and (_aiter_gemm() is None or scale is not None):
+    y = _run_cuda_fp8(x, weight, None, scale) if on_gpu and scale is not None else None
+    if y is not None:
+        rope_query(y, rope)
+        return y
+    if on_gpu and (_aiter_gemm() is None or scale is not None):
         cfg = _triton_config(x, weight)
         # The skinny kernel has no RoPE epilogue: its buckets take fold_gemm + rope_query below.
         fused = isinstance(cfg, KernelConfig) and cfg.rope_epilogue
