@@ -54,17 +54,37 @@ _SETTLE_S = 5.0
 # object torch made, a visible share of a short run's wall). Peak RSS is
 # VmHWM, the high-water mark of this process's own address space, read at exit: ru_maxrss would
 # also count the bench parent's memory, which Linux carries across fork + exec.
-# argv[1]: a folder to import foldckpt from ahead of everything else (--baseline), or "".
+# argv[1]: a folder to import foldckpt from ahead of everything else (--baseline), or "". At exit it
+# also reports what stays resident, per mapped file (a shared library's pages) and anonymous memory:
+# where a peak comes from. ``--runtime-only DEVICE`` instead of convert's arguments: the same
+# imports, and on ``cuda`` a CUDA context with cuBLAS loaded, and nothing converted (the fixed part).
 _CHILD = """
 import atexit, json, resource, sys
 _import_from = sys.argv.pop(1)
 if _import_from:
     sys.path.insert(0, _import_from)
+def _rss_by_mapping():
+    rss, name = {}, "?"
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            name = head[5].rsplit("/", 1)[-1] if len(head) > 5 else "[anonymous]"
+        elif head[0] == "Rss:":
+            rss[name] = rss.get(name, 0) + int(head[1]) * 1024
+    return dict(sorted(rss.items(), key=lambda item: -item[1])[:12])
 def _usage():
     usage = resource.getrusage(resource.RUSAGE_SELF)
     hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-    print(json.dumps({"peak_rss_bytes": hwm * 1024, "cpu_s": usage.ru_utime + usage.ru_stime}), file=sys.stderr)
+    print(json.dumps({"peak_rss_bytes": hwm * 1024, "cpu_s": usage.ru_utime + usage.ru_stime,
+                      "rss_at_exit_by_mapping": _rss_by_mapping()}), file=sys.stderr)
 atexit.register(_usage)
+if sys.argv[1] == "--runtime-only":
+    import torch
+    import foldckpt.cli
+    if sys.argv[2] == "cuda":
+        x = torch.ones(64, 64, dtype=torch.float64, device="cuda")
+        (x @ x).sum().item()
+    sys.exit(0)
 from foldckpt.cli import main
 main(sys.argv[1:])
 """

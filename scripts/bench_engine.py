@@ -37,6 +37,11 @@ ROUNDS rounds; per round:
   median over the round's steps. A run is GPU-bound where that is >= 0.8 x TPOT: then the step's
   time is the GPU's, and µs saved on the GPU are µs saved per token.
 
+``--profile`` instead breaks each engine's decode step down by kernel (the torch profiler, which
+sees the kernels inside graph replays): stock, the fp8 fold as routed and forced, each kernel's µs
+per step beside stock's; where an engine's saving differs from its kernels', this says which
+kernels differ (``engine_profile_<gpu>.json``).
+
 Summary per fold variant and concurrency: saving per MLA layer and step = (stock - fold GPU step
 time) / MLA layers, the median over the rounds' pairs; beside it the A/A difference and the
 per-layer saving of the same kernels in isolation (``scripts/bench_decode.py``'s variants for this
@@ -69,6 +74,9 @@ ROUNDS = 3
 VARIANTS = ("stock", "bf16", "fp8", "fp8_forced", "stock_aa")
 FOLD_VARIANTS = ("bf16", "fp8", "fp8_forced")
 GPU_BOUND = 0.8
+# --profile: the engines whose decode steps are broken down by kernel, and the steps profiled.
+PROFILE_VARIANTS = ("stock", "fp8", "fp8_forced")
+PROFILE_STEPS = 64
 
 # Per model: layers and MLA layers (the real model's, kept), heads per TP8 rank, RoPE or NoPE.
 MODELS: dict[str, dict[str, Any]] = {
@@ -221,6 +229,9 @@ def engine_job(spec: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [(3 * j) % 251 for j in range(INPUT_LEN)]}] * max(CONCURRENCY), warm)
+    if spec.get("profile"):
+        profile = [{"concurrency": c, **profile_level(llm, c)} for c in CONCURRENCY]
+        return {"startup_s": ready - started, "profile": profile, "stock_query": stock_query}
     levels = []
     for c in CONCURRENCY:
         rounds = []
@@ -244,6 +255,35 @@ def engine_job(spec: dict[str, Any]) -> dict[str, Any]:
             )
         levels.append({"concurrency": c, "rounds": rounds})
     return {"startup_s": ready - started, "levels": levels, "stock_query": stock_query}
+
+
+def kernel_times(llm: Any, prompts: list[dict[str, Any]], tokens: int) -> dict[str, float]:
+    """µs of GPU time per kernel name (memory copies and sets included) while ``prompts`` generate
+    ``tokens`` tokens each, from the torch profiler (which sees the kernels inside graph replays)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] = times.get(event.name, 0.0) + event.time_range.elapsed_us()
+    return times
+
+
+def profile_level(llm: Any, c: int) -> dict[str, Any]:
+    """GPU µs per decode step per kernel at concurrency ``c``: two generations of the same prompts,
+    PROFILE_STEPS tokens apart, and their difference over PROFILE_STEPS, so that the prefill (and
+    the first decode steps) cancel and what remains is decode steps of all ``c`` requests."""
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 251 for j in range(INPUT_LEN)]} for i in range(c)]
+    short = kernel_times(llm, prompts, 8)
+    long = kernel_times(llm, prompts, 8 + PROFILE_STEPS)
+    per_step = {name: (us - short.get(name, 0.0)) / PROFILE_STEPS for name, us in long.items()}
+    return {"steps": PROFILE_STEPS, "gpu_us_per_step": sum(per_step.values()), "kernels_us_per_step": per_step}
 
 
 # ---- the per-layer microbenchmark, in its own process ---------------------------------------------------
@@ -425,6 +465,35 @@ def summarize(model: str, runs: dict[str, Any], micro: dict[str, Any]) -> dict[s
     return out
 
 
+def profile_diff(model: str, profiles: dict[str, Any], top: int = 12) -> dict[str, Any]:
+    """Per fold variant and concurrency: the decode step's GPU time against stock's (total and per
+    MLA layer), and the kernels whose time per step differs most, each with both sides."""
+    mla = MODELS[model]["mla_layers"]
+    stock = profiles.get("stock", {}).get("profile")
+    out: dict[str, Any] = {}
+    for variant, result in profiles.items():
+        if variant == "stock" or stock is None or "profile" not in result:
+            continue
+        rows = []
+        for s, f in zip(stock, result["profile"], strict=True):
+            a, b = s["kernels_us_per_step"], f["kernels_us_per_step"]
+            diffs = sorted(set(a) | set(b), key=lambda name: -abs(a.get(name, 0.0) - b.get(name, 0.0)))
+            rows.append(
+                {
+                    "concurrency": s["concurrency"],
+                    "stock_gpu_us_per_step": s["gpu_us_per_step"],
+                    "fold_gpu_us_per_step": f["gpu_us_per_step"],
+                    "saving_per_mla_layer_step_us": (s["gpu_us_per_step"] - f["gpu_us_per_step"]) / mla,
+                    "kernels": [
+                        {"name": name[:200], "stock_us": a.get(name, 0.0), "fold_us": b.get(name, 0.0)}
+                        for name in diffs[:top]
+                    ],
+                }
+            )
+        out[variant] = rows
+    return out
+
+
 def main() -> None:
     if sys.argv[1:2] in (["--job"], ["--microbench"]):
         spec = json.loads(Path(sys.argv[2]).read_text())
@@ -437,8 +506,16 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench_engine"))
     parser.add_argument(
         "--variants",
-        default=",".join(VARIANTS),
-        help="engines to run, in order (default: all); the model's other runs in --out are kept",
+        default=None,
+        help="engines to run, in order (default: all, or with --profile "
+        f"{','.join(PROFILE_VARIANTS)}); the model's other runs in --out are kept",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of timing rounds, break each engine's decode step down by kernel (torch profiler) "
+        "and set each fold variant's kernels beside stock's: where an engine's saving differs from the "
+        "kernels' (--out: engine_profile_<gpu>.json)",
     )
     parser.add_argument(
         "--resummarize",
@@ -489,9 +566,16 @@ def main() -> None:
         mla_layers=MODELS[args.model]["mla_layers"],
         geometry=asdict(dims(args.model)),
     )
-    spec = {"model_key": args.model}
-    for variant in args.variants.split(","):  # written after each engine: a timeout keeps what finished
+    spec = {"model_key": args.model, "profile": args.profile}
+    variants = args.variants.split(",") if args.variants else PROFILE_VARIANTS if args.profile else VARIANTS
+    for variant in variants:  # written after each engine: a timeout keeps what finished
         result = run_job("--job", {**spec, "model": str(dirs[variant])}, variant, workdir, engine_env(variant, workdir))
+        if args.profile:
+            entry.setdefault("profile", {})[variant] = result
+            entry["profile_diff"] = profile_diff(args.model, entry["profile"])
+            args.out.write_text(json.dumps(report, indent=1))
+            print(f"bench {args.model} {variant} profiled at {time.monotonic() - t0:.0f} s", flush=True)
+            continue
         stats = workdir / f"{variant}.stats.json"
         if stats.exists():
             result["routing_stats"] = json.loads(stats.read_text())
@@ -503,6 +587,9 @@ def main() -> None:
         print(
             f"bench {args.model} {variant} at {time.monotonic() - t0:.0f} s: {result.get('error') or brief}", flush=True
         )
+    if args.profile:
+        print(json.dumps(entry["profile_diff"], indent=1), flush=True)
+        return
     micro = run_job("--microbench", spec, "microbench", workdir, {**os.environ})
     entry["microbench"] = micro
     entry.update(summarize(args.model, entry["runs"], micro))

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU suite on the GPU machine, in one device call (at most 10 minutes) or in named parts:
-#   source .vl/unpack.sh && bash scripts/gpu_tests.sh [all | kernels | engine | bench-k3 | bench-ds]...
+#   source .vl/unpack.sh && bash scripts/gpu_tests.sh [all | kernels | engine | bench-k3 | bench-ds | profile-k3 | profile-ds]...
 # kernels: tests/gpu (fold kernels, fp8, convert --device cuda) and tests/unit's cuda parameters (the
 # exact fold and rounding on a GPU); engine: tests/gpu/engine (real vLLM engines, stock vs plugin,
 # side by side); bench-k3 / bench-ds: scripts/bench_engine.py for one full-depth model (about 9
-# minutes each: one device call per model; "all" runs neither). "all" runs the kernel tests beside
-# the engine tests (they share the GPU; neither times anything). What docs/bench keeps lands in
+# minutes each: one device call per model; "all" runs neither); profile-k3 / profile-ds: stock's and
+# the fp8 engines' decode steps broken down by kernel (bench_engine.py --profile, about 4 minutes).
+# "all" runs the kernel tests beside the engine tests (they share the GPU; neither times anything). What docs/bench keeps lands in
 # $OUT (the device returns it): gpu_tests_<gpu>.txt, gpu_engine_tests_<gpu>.txt, engine_<gpu>.json
 # (a bench run merges into the engine_<gpu>.json it finds in $OUT or docs/bench), engine logs (tgz).
 set -uo pipefail
@@ -37,11 +38,14 @@ if [ -n "${kernels_pid:-}" ]; then
   tail -3 "$OUT/gpu_tests_$GPU.txt"
 fi
 for model in k3 ds; do
-  [[ " $parts " == *" bench-$model "* ]] || continue
-  [ -f "$OUT/engine_$GPU.json" ] || cp "docs/bench/engine_$GPU.json" "$OUT/" 2>/dev/null
-  timeout 560 python3 scripts/bench_engine.py --model "$model" --out "$OUT/engine_$GPU.json" \
-    --workdir /tmp/bench_engine || status=1
-  (cd /tmp/bench_engine && tar czf "$OUT/bench_logs_$model.tgz" "$model"/*.log) 2>/dev/null
+  for kind in bench profile; do
+    [[ " $parts " == *" $kind-$model "* ]] || continue
+    name=$([ "$kind" = bench ] && echo engine || echo engine_profile)
+    [ -f "$OUT/${name}_$GPU.json" ] || cp "docs/bench/${name}_$GPU.json" "$OUT/" 2>/dev/null
+    timeout 560 python3 scripts/bench_engine.py --model "$model" --out "$OUT/${name}_$GPU.json" \
+      --workdir /tmp/bench_engine $([ "$kind" = profile ] && echo --profile) || status=1
+    (cd /tmp/bench_engine && tar czf "$OUT/${kind}_logs_$model.tgz" "$model"/*.log) 2>/dev/null
+  done
 done
 echo "gpu_tests: $GPU, commit $COMMIT, parts: $parts, ${SECONDS} s, status $status"
 exit $status

@@ -68,3 +68,17 @@ def test_a_run_is_gpu_bound_when_its_gpu_step_is_most_of_its_tpot(bench: ModuleT
     bound = bench.level_summary(_run({1: [8_100.0]}, tpot_ms=10.0)["levels"][0])
     loose = bench.level_summary(_run({1: [7_900.0]}, tpot_ms=10.0)["levels"][0])
     assert bound["gpu_bound"] and not loose["gpu_bound"]
+
+
+def test_profile_diff_sets_each_kernel_beside_stock_and_ranks_by_difference(bench: ModuleType) -> None:
+    def level(c: int, kernels: dict[str, float]) -> dict:
+        return {"concurrency": c, "gpu_us_per_step": sum(kernels.values()), "kernels_us_per_step": kernels}
+
+    stock = {"attn": 100.0, "q_b_proj": 240.0, "bmm": 96.0, "norm": 10.0}
+    fold = {"attn": 148.0, "fold": 192.0, "norm": 10.0}  # the query saves 144 µs, attention loses 48
+    profiles = {"stock": {"profile": [level(1, stock)]}, "fp8": {"profile": [level(1, fold)]}, "bf16": {"error": "x"}}
+    [row] = bench.profile_diff("k3", profiles, top=3)["fp8"]
+    assert row["saving_per_mla_layer_step_us"] == pytest.approx((446.0 - 350.0) / 24)
+    assert [k["name"] for k in row["kernels"]] == ["q_b_proj", "fold", "bmm"]
+    assert row["kernels"][1] == {"name": "fold", "stock_us": 0.0, "fold_us": 192.0}
+    assert set(bench.profile_diff("k3", profiles)) == {"fp8"}, "an engine that failed has no row"
