@@ -68,7 +68,6 @@ from foldckpt.format.manifest import (
     MANIFEST_NAME,
     FileRecord,
     FoldedLayer,
-    FoldTensor,
     Manifest,
     SidecarRecord,
     read_manifest,
@@ -164,11 +163,7 @@ def _manifest(
     source: dict[str, Any] | None,
     generated: tuple[str, ...] = (),
 ) -> Manifest:
-    tensors = {
-        name: FoldTensor.from_dict(name, record, plan.geometry.num_heads)
-        for shard in plan.shards
-        for name, record in journal.shard(shard.name).tensors.items()
-    }
+    tensors = {fold.name: fold for shard in plan.shards for fold in journal.folds(shard.name, plan.geometry.num_heads)}
     ordered = {layer.output.name: tensors[layer.output.name] for layer in plan.layers}
     return Manifest(
         geometry=plan.geometry,

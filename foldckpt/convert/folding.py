@@ -209,7 +209,7 @@ def _write_shard(
     if (
         writer.offset != progress.offset
         or not _journal_matches_layout(writer, progress, shard)
-        or not _prefix_intact(writer, progress, plan.geometry.num_heads)
+        or not _prefix_intact(writer, journal.folds(shard.name, plan.geometry.num_heads), plan.geometry.num_heads)
     ):
         with journal.lock:  # nothing usable on disk: start the shard over
             progress.tensors.clear()
@@ -341,8 +341,7 @@ def _journal_matches_layout(writer: ShardWriter, progress: ShardProgress, shard:
     return progress.offset == end
 
 
-def _prefix_intact(writer: ShardWriter, progress: ShardProgress, heads: int) -> bool:
+def _prefix_intact(writer: ShardWriter, kept: list[FoldTensor], heads: int) -> bool:
     """Whether the folds a resumed shard keeps still hold their journaled head digests (the
     temporary file is ours, but a crash or a hand can damage it between two runs)."""
-    kept = [FoldTensor.from_dict(name, record, heads) for name, record in progress.tensors.items()]
     return not kept or heads_intact(writer.tmp, writer.layout, kept, heads)

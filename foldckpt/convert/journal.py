@@ -18,7 +18,7 @@ from typing import Any
 
 from foldckpt import __version__
 from foldckpt.errors import FoldckptError
-from foldckpt.format.manifest import FORMAT_VERSION, Manifest
+from foldckpt.format.manifest import FORMAT_VERSION, FoldTensor, Manifest, SchemaError
 from foldckpt.io.files import atomic_write_json, parse_json
 
 
@@ -134,6 +134,17 @@ class Journal:
     def shard(self, name: str) -> ShardProgress:
         return self.shards.setdefault(name, ShardProgress())
 
+    def folds(self, shard: str, num_heads: int) -> list[FoldTensor]:
+        """The fold records journaled for sidecar ``shard``, each field checked: a record edited or
+        damaged by hand is the journal's defect, refused as an unreadable journal is."""
+        try:
+            return [FoldTensor.from_dict(name, record, num_heads) for name, record in self.shard(shard).tensors.items()]
+        except SchemaError as exc:
+            raise self.unreadable(exc) from None
+
+    def unreadable(self, why: Exception) -> FoldckptError:
+        return FoldckptError(f"{self.path}: unreadable resume journal ({why}); pass --restart to start over")
+
     def layers_done(self) -> int:
         """The layers whose folds are durably in a sidecar."""
         return sum(len(progress.tensors) for progress in self.shards.values())
@@ -157,4 +168,4 @@ class Journal:
                 fingerprints=dict(data.get("fingerprints", {})),
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # any shape but the right one
-            raise FoldckptError(f"{path}: unreadable resume journal ({exc}); pass --restart to start over") from None
+            raise cls(path, "").unreadable(exc) from None

@@ -33,6 +33,7 @@ from foldckpt.format.manifest import (
     MANIFEST_NAME,
     FoldTensor,
     Manifest,
+    SchemaError,
     SidecarRecord,
     listed_files,
     read_manifest,
@@ -209,7 +210,7 @@ def recheck_journal(
             continue
         now = fingerprint(path)
         if now != journal.fingerprints.get(shard.name, {}).get("out") and not _sidecar_holds(
-            path, progress, plan, proven
+            path, journal, shard.name, plan, proven
         ):
             journal.shards[shard.name] = ShardProgress()
             journal.fingerprints.pop(shard.name, None)
@@ -223,13 +224,16 @@ def discard_sidecars(plan: ConversionPlan, out_dir: Path, names: Iterable[str]) 
     remove_placed(out_dir, {name: False for name in names if name in sidecars})
 
 
-def _sidecar_holds(path: Path, progress: ShardProgress, plan: ConversionPlan, proven: Proven) -> bool:
+def _sidecar_holds(path: Path, journal: Journal, shard: str, plan: ConversionPlan, proven: Proven) -> bool:
     """Whether a finished sidecar the journal records still holds its bytes (hashed: its
     fingerprint changed)."""
-    assert progress.done is not None
-    record = SidecarRecord.from_dict(progress.done)
-    folds = [FoldTensor.from_dict(name, data, plan.geometry.num_heads) for name, data in progress.tensors.items()]
-    return _sidecar_intact(path, record, folds, plan, proven)
+    done = journal.shard(shard).done
+    assert done is not None
+    try:
+        record = SidecarRecord.from_dict(done)
+    except SchemaError as exc:
+        raise journal.unreadable(exc) from None
+    return _sidecar_intact(path, record, journal.folds(shard, plan.geometry.num_heads), plan, proven)
 
 
 def _sidecar_intact(
