@@ -64,8 +64,8 @@ def flag(
 @dataclass(frozen=True)
 class ConvertOptions:
     fold_dtype: str = flag(
-        "Dtype of the stored fold (accumulation is always fp32, rounded once); fp8: OCP e4m3 "
-        "with an fp32 scale per row, half the bytes of bfloat16.",
+        "Dtype of the stored fold, each element its exact value rounded once (the same bytes on any "
+        "device); fp8: OCP e4m3 from the fp32 fold with an fp32 scale per row, half the bytes of bfloat16.",
         DEFAULT_FOLD_DTYPE,
         choices=tuple(FOLD_DTYPE_NAMES),
         show_default=True,

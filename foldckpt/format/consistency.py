@@ -85,6 +85,16 @@ def _unsafe_name(name: str) -> bool:
     return not name or "\x00" in name or "\\" in name or pure.is_absolute() or ".." in pure.parts or name == "."
 
 
+# Linux's limits on a file name's component and on a whole path (with its NUL), in bytes.
+_NAME_MAX, _PATH_MAX = 255, 4096
+
+
+def _too_long(name: str) -> bool:
+    """Longer than any file name can be on Linux (NAME_MAX a component, PATH_MAX the whole): such a
+    name is the manifest's defect, not a path the user passed (opening it fails with ENAMETOOLONG)."""
+    return len(os.fsencode(name)) >= _PATH_MAX or any(len(os.fsencode(part)) > _NAME_MAX for part in name.split("/"))
+
+
 def manifest_problems(manifest: Manifest) -> list[Problem]:
     """What the manifest says about itself must hang together before any file is judged by it."""
     problems: list[Problem] = []
@@ -98,6 +108,8 @@ def manifest_problems(manifest: Manifest) -> list[Problem]:
         for name, record in records.items():
             if _unsafe_name(name):
                 bad(f"{section}: file name {name!r} escapes the output directory")
+            elif _too_long(name):
+                bad(f"{section}: file name {name[:40]!r}... is longer than a file name can be")
             digest = record.header_sha256 if isinstance(record, SidecarRecord) else record.sha256
             if not is_hex_digest(digest):
                 bad(f"{section}: '{name}' has sha256 {digest!r}, not 64 lowercase hex digits")

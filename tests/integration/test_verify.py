@@ -877,3 +877,19 @@ def test_cli_unusable_directories_exit_2_with_one_line(make_model: Callable[...,
         assert json.loads(run.stdout) == {
             "error": {"code": 2, "kind": "input", "message": lines[0].removeprefix("foldckpt: error: ")}
         }
+
+
+@pytest.mark.parametrize("name", ["a" * 300, "d/" * 2100 + "x"], ids=["component", "path"])
+def test_a_listed_name_no_file_can_have_fails_verification_not_the_command(
+    kimi_model_and_out: tuple[Path, Path], tmp_path: Path, name: str
+) -> None:
+    """A manifest (re-signed) listing a file under a name longer than NAME_MAX, or a path longer
+    than PATH_MAX, met ENAMETOOLONG when verify looked the file up: a refusal of the user's path
+    (exit 2), where it is the manifest that is wrong (verification fails, exit 1)."""
+    _, converted_out = kimi_model_and_out
+    out = Path(shutil.copytree(converted_out, tmp_path / "out"))
+    resign_raw(out, lambda d: d["source_files"].update({name: {"size": 1, "sha256": "0" * 64}}))
+    level = failed_level(run_verify(out), "manifest")
+    assert any("is longer than a file name can be" in str(p) for p in level.problems), level.problems
+    run = run_foldckpt("verify", out, "-q")
+    assert run.returncode == 1, (run.stdout, run.stderr)
