@@ -10,12 +10,16 @@ at exit is listed per mapped file, so a shared library's pages show by name):
 
 * ``runtime_only``: the imports convert makes, and on ``cuda`` a CUDA context with cuBLAS loaded (an
   fp64 GEMM, the fold's), nothing converted;
+* ``tiny_convert``: a conversion of a tiny Kimi-K3 (the test suite's geometry: kilobytes of
+  weights), which runs every kind of kernel a real one runs and so loads every CUDA module the
+  fold needs, with no data to speak of;
 * ``convert``: ``foldckpt convert --device cpu|cuda`` of full-geometry Kimi-K3 attention checkpoints
   with 2 and 8 MLA layers (``bench_convert``'s layout and filler shards).
 
-``added_by_convert`` = convert's peak - the runtime's peak, per device and layer count: if the
-GPU's is no larger than the CPU's and flat in layers, the difference between the two devices'
-peaks is the CUDA runtime's. Writes docs/bench/convert_memory_<machine>.json.
+``added_by_convert`` = convert's peak - the runtime's peak, and ``added_by_data`` = convert's peak
+- the tiny conversion's, per device and layer count: what the CUDA path adds over the CPU path
+beyond its runtime is either kernel modules (in the tiny conversion too) or data (grows with the
+layers). Writes docs/bench/convert_memory_<machine>.json.
 """
 
 from __future__ import annotations
@@ -54,10 +58,16 @@ def main(mla_counts: tuple[int, ...], filler_per_layer: int, out: Path) -> None:
     report: dict[str, Any] = {"machine": machine(), "commit": commit(), "method": __doc__, "devices": {}}
     scratch = Path(tempfile.mkdtemp(prefix="foldckpt-rss-"))
     try:
+        tiny = make_checkpoint(scratch / "tiny", "kimi_k3", layers=8)
         for device in devices:
             base = _runtime_only(device)
-            entry = report["devices"][device] = {"runtime_only": base, "convert": []}
-            click.echo(f"{device}: runtime alone {base['peak_rss_bytes'] / MIB:.0f} MiB")
+            small = _convert_in_child(tiny, scratch / "tiny-out", device, "bfloat16")
+            shutil.rmtree(scratch / "tiny-out")
+            entry = report["devices"][device] = {"runtime_only": base, "tiny_convert": small, "convert": []}
+            click.echo(
+                f"{device}: runtime alone {base['peak_rss_bytes'] / MIB:.0f} MiB, a tiny conversion "
+                f"{small['peak_rss_bytes'] / MIB:.0f} MiB"
+            )
         for count in mla_counts:
             model_dir = make_checkpoint(
                 scratch / f"k3-{count}",
@@ -73,10 +83,12 @@ def main(mla_counts: tuple[int, ...], filler_per_layer: int, out: Path) -> None:
                 run = _convert_in_child(model_dir, scratch / "out", device, "bfloat16")
                 shutil.rmtree(scratch / "out")
                 run["added_by_convert_bytes"] = run["peak_rss_bytes"] - entry["runtime_only"]["peak_rss_bytes"]
+                run["added_by_data_bytes"] = run["peak_rss_bytes"] - entry["tiny_convert"]["peak_rss_bytes"]
                 entry["convert"].append(run)
                 click.echo(
                     f"{device}: {run['layers']} MLA layers peak {run['peak_rss_bytes'] / MIB:.0f} MiB, "
-                    f"{run['added_by_convert_bytes'] / MIB:+.0f} MiB over the runtime alone"
+                    f"{run['added_by_convert_bytes'] / MIB:+.0f} MiB over the runtime alone, "
+                    f"{run['added_by_data_bytes'] / MIB:+.0f} over the tiny conversion"
                 )
             shutil.rmtree(model_dir)
             out.write_text(json.dumps(report, indent=1))
