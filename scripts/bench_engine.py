@@ -257,9 +257,10 @@ def engine_job(spec: dict[str, Any]) -> dict[str, Any]:
     return {"startup_s": ready - started, "levels": levels, "stock_query": stock_query}
 
 
-def kernel_times(llm: Any, prompts: list[dict[str, Any]], tokens: int) -> dict[str, float]:
-    """µs of GPU time per kernel name (memory copies and sets included) while ``prompts`` generate
-    ``tokens`` tokens each, from the torch profiler (which sees the kernels inside graph replays)."""
+def kernel_times(llm: Any, prompts: list[dict[str, Any]], tokens: int) -> dict[str, list[float]]:
+    """[µs of GPU time, launches] per kernel name (memory copies and sets included) while
+    ``prompts`` generate ``tokens`` tokens each, from the torch profiler (which sees the kernels
+    inside graph replays)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
@@ -268,10 +269,12 @@ def kernel_times(llm: Any, prompts: list[dict[str, Any]], tokens: int) -> dict[s
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
-    times: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.name] = times.get(event.name, 0.0) + event.time_range.elapsed_us()
+            total = times.setdefault(event.name, [0.0, 0])
+            total[0] += event.time_range.elapsed_us()
+            total[1] += 1
     return times
 
 
@@ -282,8 +285,18 @@ def profile_level(llm: Any, c: int) -> dict[str, Any]:
     prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 251 for j in range(INPUT_LEN)]} for i in range(c)]
     short = kernel_times(llm, prompts, 8)
     long = kernel_times(llm, prompts, 8 + PROFILE_STEPS)
-    per_step = {name: (us - short.get(name, 0.0)) / PROFILE_STEPS for name, us in long.items()}
-    return {"steps": PROFILE_STEPS, "gpu_us_per_step": sum(per_step.values()), "kernels_us_per_step": per_step}
+    per_step = {
+        name: [(total - short.get(name, [0.0, 0])[i]) / PROFILE_STEPS for i, total in enumerate(pair)]
+        for name, pair in long.items()
+    }
+    return {
+        "steps": PROFILE_STEPS,
+        "gpu_us_per_step": sum(us for us, _ in per_step.values()),
+        "kernels_us_per_step": {name: us for name, (us, _) in per_step.items()},
+        # the kernel durations overlap where kernels launch early (PDL), so their sum can exceed
+        # the step; per launch, a kernel's time is set beside the microbenchmark's
+        "kernels_launches_per_step": {name: launches for name, (_, launches) in per_step.items()},
+    }
 
 
 # ---- the per-layer microbenchmark, in its own process ---------------------------------------------------
@@ -485,7 +498,13 @@ def profile_diff(model: str, profiles: dict[str, Any], top: int = 12) -> dict[st
                     "fold_gpu_us_per_step": f["gpu_us_per_step"],
                     "saving_per_mla_layer_step_us": (s["gpu_us_per_step"] - f["gpu_us_per_step"]) / mla,
                     "kernels": [
-                        {"name": name[:200], "stock_us": a.get(name, 0.0), "fold_us": b.get(name, 0.0)}
+                        {
+                            "name": name[:200],
+                            "stock_us": a.get(name, 0.0),
+                            "fold_us": b.get(name, 0.0),
+                            "stock_launches": s.get("kernels_launches_per_step", {}).get(name),
+                            "fold_launches": f.get("kernels_launches_per_step", {}).get(name),
+                        }
                         for name in diffs[:top]
                     ],
                 }

@@ -72,7 +72,13 @@ def test_a_run_is_gpu_bound_when_its_gpu_step_is_most_of_its_tpot(bench: ModuleT
 
 def test_profile_diff_sets_each_kernel_beside_stock_and_ranks_by_difference(bench: ModuleType) -> None:
     def level(c: int, kernels: dict[str, float]) -> dict:
-        return {"concurrency": c, "gpu_us_per_step": sum(kernels.values()), "kernels_us_per_step": kernels}
+        launches = {name: 24.0 for name in kernels}  # one launch per MLA layer and step
+        return {
+            "concurrency": c,
+            "gpu_us_per_step": sum(kernels.values()),
+            "kernels_us_per_step": kernels,
+            "kernels_launches_per_step": launches,
+        }
 
     stock = {"attn": 100.0, "q_b_proj": 240.0, "bmm": 96.0, "norm": 10.0}
     fold = {"attn": 148.0, "fold": 192.0, "norm": 10.0}  # the query saves 144 µs, attention loses 48
@@ -80,5 +86,11 @@ def test_profile_diff_sets_each_kernel_beside_stock_and_ranks_by_difference(benc
     [row] = bench.profile_diff("k3", profiles, top=3)["fp8"]
     assert row["saving_per_mla_layer_step_us"] == pytest.approx((446.0 - 350.0) / 24)
     assert [k["name"] for k in row["kernels"]] == ["q_b_proj", "fold", "bmm"]
-    assert row["kernels"][1] == {"name": "fold", "stock_us": 0.0, "fold_us": 192.0}
+    assert row["kernels"][1] == {
+        "name": "fold",
+        "stock_us": 0.0,
+        "fold_us": 192.0,
+        "stock_launches": None,
+        "fold_launches": 24.0,
+    }
     assert set(bench.profile_diff("k3", profiles)) == {"fp8"}, "an engine that failed has no row"
