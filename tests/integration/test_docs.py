@@ -673,6 +673,26 @@ def convert_vs_baseline_table() -> list[str]:
     return _table(header, rows)
 
 
+def convert_memory_table() -> list[str]:
+    """convert's peak RSS split into the runtime's, a tiny conversion's and the data's, per device."""
+    data = _bench("convert_memory_nvidia_h100.json")
+    rows = []
+    for device, entry in data["devices"].items():
+        for run in entry["convert"]:
+            rows.append(
+                [
+                    f"`--device {device}`",
+                    str(run["layers"]),
+                    f"{run['peak_rss_bytes'] / 2**20:.0f} MiB: {_met(run['peak_rss_bytes'] <= 2**30)}",
+                    f"{entry['runtime_only']['peak_rss_bytes'] / 2**20:.0f} MiB",
+                    f"{entry['tiny_convert']['peak_rss_bytes'] / 2**20:.0f} MiB",
+                    f"{run['added_by_data_bytes'] / 2**20:+.0f} MiB",
+                ]
+            )
+    header = ["16-core H100 host", "MLA layers", "peak RSS", "runtime alone", "a tiny conversion", "grown with data"]
+    return _table(header, rows)
+
+
 def verify_table() -> list[str]:
     results = _bench("verify.json")["results"]
     columns = (
@@ -787,6 +807,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "routing": routing_table,
     "convert": convert_table,
     "convert_vs_baseline": convert_vs_baseline_table,
+    "convert_memory": convert_memory_table,
     "verify": verify_table,
     "cli": cli_table,
     "accuracy": accuracy_table,
