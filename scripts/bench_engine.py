@@ -77,6 +77,8 @@ GPU_BOUND = 0.8
 # --profile: the engines whose decode steps are broken down by kernel, and the steps profiled.
 PROFILE_VARIANTS = ("stock", "fp8", "fp8_forced")
 PROFILE_STEPS = 64
+# The project's own kernels that compute the fold's query (Triton's and the Hopper CUDA kernel).
+FOLD_KERNELS = ("_fold_gemm_kernel", "_skinny_gemm_kernel", "_rope_query_kernel", "foldckpt_fp8_fold")
 
 # Per model: layers and MLA layers (the real model's, kept), heads per TP8 rank, RoPE or NoPE.
 MODELS: dict[str, dict[str, Any]] = {
@@ -497,6 +499,7 @@ def profile_diff(model: str, profiles: dict[str, Any], top: int = 12) -> dict[st
                     "stock_gpu_us_per_step": s["gpu_us_per_step"],
                     "fold_gpu_us_per_step": f["gpu_us_per_step"],
                     "saving_per_mla_layer_step_us": (s["gpu_us_per_step"] - f["gpu_us_per_step"]) / mla,
+                    "fold_kernels_us_per_mla_layer": sum(b.get(name, 0.0) for name in FOLD_KERNELS) / mla,
                     "kernels": [
                         {
                             "name": name[:200],
@@ -539,13 +542,16 @@ def main() -> None:
     parser.add_argument(
         "--resummarize",
         action="store_true",
-        help="no GPU: recompute --model's summary in --out from its runs (after a change to the cited step times)",
+        help="no GPU: recompute --model's summary (or profile comparison) in --out from its runs",
     )
     args = parser.parse_args()
     if args.resummarize:
         report = json.loads(args.out.read_text())
         entry = report["models"][args.model]
-        entry.update(summarize(args.model, entry["runs"], entry["microbench"]))
+        if "profile" in entry:
+            entry["profile_diff"] = profile_diff(args.model, entry["profile"])
+        if "microbench" in entry:
+            entry.update(summarize(args.model, entry["runs"], entry["microbench"]))
         report["full_model_tpot"] = json.loads(FULL_MODEL_TPOT.read_text())
         args.out.write_text(json.dumps(report, indent=1))
         return

@@ -802,6 +802,40 @@ def engine_table() -> list[str]:
     )
 
 
+def engine_profile_table() -> list[str]:
+    """The fp8 fold engines' decode steps by kernel against stock's, beside the same kernels alone."""
+    profile = _bench("engine_profile_nvidia_h100.json")
+    rows = []
+    for key, model in profile["models"].items():
+        micro = {
+            lv["concurrency"]: lv for lv in _bench("engine_nvidia_h100.json")["models"][key]["microbench"]["levels"]
+        }
+        for variant, levels in model["profile_diff"].items():
+            for r in levels:
+                alone = micro.get(r["concurrency"])
+                rows.append(
+                    [
+                        key,
+                        ENGINE_LABELS[variant],
+                        str(r["concurrency"]),
+                        f"{r['stock_gpu_us_per_step']:.0f} / {r['fold_gpu_us_per_step']:.0f}",
+                        f"{r['saving_per_mla_layer_step_us']:+.2f}",
+                        f"{r['fold_kernels_us_per_mla_layer']:.2f}",
+                        f"{alone[f'{variant}_us']:.2f}" if alone else "",
+                    ]
+                )
+    header = [
+        "model",
+        "engine",
+        "c",
+        "kernel µs / step, stock / fold",
+        "saved µs / MLA layer (kernel sums)",
+        "fold kernel µs / MLA layer, in the engine",
+        "the same kernel alone, µs",
+    ]
+    return _table(header, rows)
+
+
 TABLES: dict[str, Callable[[], list[str]]] = {
     "decode": decode_table,
     "routing": routing_table,
@@ -813,6 +847,7 @@ TABLES: dict[str, Callable[[], list[str]]] = {
     "accuracy": accuracy_table,
     "engine_accuracy": engine_accuracy_table,
     "engine": engine_table,
+    "engine_profile": engine_profile_table,
 }
 TABLE_START = re.compile(r"<!-- table: (\w+) -->")
 

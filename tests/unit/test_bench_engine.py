@@ -82,9 +82,11 @@ def test_profile_diff_sets_each_kernel_beside_stock_and_ranks_by_difference(benc
 
     stock = {"attn": 100.0, "q_b_proj": 240.0, "bmm": 96.0, "norm": 10.0}
     fold = {"attn": 148.0, "fold": 192.0, "norm": 10.0}  # the query saves 144 µs, attention loses 48
+    projects = {"attn": 100.0, "_skinny_gemm_kernel": 120.0, "foldckpt_fp8_fold": 72.0}
     profiles = {"stock": {"profile": [level(1, stock)]}, "fp8": {"profile": [level(1, fold)]}, "bf16": {"error": "x"}}
     [row] = bench.profile_diff("k3", profiles, top=3)["fp8"]
     assert row["saving_per_mla_layer_step_us"] == pytest.approx((446.0 - 350.0) / 24)
+    assert row["fold_kernels_us_per_mla_layer"] == 0.0, "'fold' is no kernel of the project's"
     assert [k["name"] for k in row["kernels"]] == ["q_b_proj", "fold", "bmm"]
     assert row["kernels"][1] == {
         "name": "fold",
@@ -94,3 +96,6 @@ def test_profile_diff_sets_each_kernel_beside_stock_and_ranks_by_difference(benc
         "fold_launches": 24.0,
     }
     assert set(bench.profile_diff("k3", profiles)) == {"fp8"}, "an engine that failed has no row"
+    profiles["fp8"] = {"profile": [level(1, projects)]}
+    [row] = bench.profile_diff("k3", profiles)["fp8"]
+    assert row["fold_kernels_us_per_mla_layer"] == pytest.approx(192.0 / 24)
