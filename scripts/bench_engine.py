@@ -232,10 +232,10 @@ def engine_job(spec: dict[str, Any]) -> dict[str, Any]:
     warm = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [(3 * j) % 251 for j in range(INPUT_LEN)]}] * max(CONCURRENCY), warm)
     if spec.get("profile"):
-        profile = [{"concurrency": c, **profile_level(llm, c)} for c in CONCURRENCY]
+        profile = [{"concurrency": c, **profile_level(llm, c)} for c in spec["concurrency"]]
         return {"startup_s": ready - started, "profile": profile, "stock_query": stock_query}
     levels = []
-    for c in CONCURRENCY:
+    for c in spec["concurrency"]:
         rounds = []
         for r in range(ROUNDS):
             prompts = [
@@ -332,7 +332,7 @@ def microbench_job(spec: dict[str, Any]) -> dict[str, Any]:
         warmup_fold_query(layers.fold, max(CONCURRENCY), rope_cache, dims_.fold_head)
         warmup_fold_query(layers.fp8, max(CONCURRENCY), rope_cache, dims_.fold_head, layers.scale)
     out: dict[str, Any] = {"routes": routes, "levels": []}
-    for c in CONCURRENCY:
+    for c in spec["concurrency"]:
         x = torch.randn(c, dims_.q_lora, device=device, dtype=torch.bfloat16)
         rope = decode_rope(c, dims_, device) if info["rope"] else None
         unfolded_rope = replace(rope, head_dim=dims_.nope + dims_.rope) if rope is not None else None
@@ -533,6 +533,11 @@ def main() -> None:
         f"{','.join(PROFILE_VARIANTS)}); the model's other runs in --out are kept",
     )
     parser.add_argument(
+        "--concurrency",
+        default=",".join(map(str, CONCURRENCY)),
+        help="the concurrencies measured, a subset of the default (a shorter device call)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="instead of timing rounds, break each engine's decode step down by kernel (torch profiler) "
@@ -545,6 +550,9 @@ def main() -> None:
         help="no GPU: recompute --model's summary (or profile comparison) in --out from its runs",
     )
     args = parser.parse_args()
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    if not set(concurrency) <= set(CONCURRENCY):
+        parser.error(f"--concurrency: a subset of {CONCURRENCY} (the engines are built for those)")
     if args.resummarize:
         report = json.loads(args.out.read_text())
         entry = report["models"][args.model]
@@ -591,7 +599,7 @@ def main() -> None:
         mla_layers=MODELS[args.model]["mla_layers"],
         geometry=asdict(dims(args.model)),
     )
-    spec = {"model_key": args.model, "profile": args.profile}
+    spec = {"model_key": args.model, "profile": args.profile, "concurrency": concurrency}
     variants = args.variants.split(",") if args.variants else PROFILE_VARIANTS if args.profile else VARIANTS
     for variant in variants:  # written after each engine: a timeout keeps what finished
         result = run_job("--job", {**spec, "model": str(dirs[variant])}, variant, workdir, engine_env(variant, workdir))
