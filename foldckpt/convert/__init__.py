@@ -69,7 +69,6 @@ from foldckpt.format.manifest import (
     FileRecord,
     FoldedLayer,
     Manifest,
-    SidecarRecord,
     read_manifest,
     write_manifest,
 )
@@ -170,7 +169,7 @@ def _manifest(
         fold_dtype=plan.fold_dtype,
         accumulation_dtype=ACCUMULATION_DTYPE,
         tensors=ordered,
-        sidecars={s.name: SidecarRecord.from_dict(journal.shard(s.name).done) for s in plan.shards},
+        sidecars={s.name: journal.sidecar(s.name) for s in plan.shards},
         source_files={n: FileRecord(**journal.source_hashes[n]) for n in (*plan.files_to_place, *generated)},
         parameters=parameters,
         source=source,

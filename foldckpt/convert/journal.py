@@ -18,7 +18,7 @@ from typing import Any
 
 from foldckpt import __version__
 from foldckpt.errors import FoldckptError
-from foldckpt.format.manifest import FORMAT_VERSION, FoldTensor, Manifest, SchemaError
+from foldckpt.format.manifest import FORMAT_VERSION, FoldTensor, Manifest, SchemaError, SidecarRecord
 from foldckpt.io.files import atomic_write_json, parse_json
 
 
@@ -140,10 +140,16 @@ class Journal:
         try:
             return [FoldTensor.from_dict(name, record, num_heads) for name, record in self.shard(shard).tensors.items()]
         except SchemaError as exc:
-            raise self.unreadable(exc) from None
+            raise _unreadable(self.path, exc) from None
 
-    def unreadable(self, why: Exception) -> FoldckptError:
-        return FoldckptError(f"{self.path}: unreadable resume journal ({why}); pass --restart to start over")
+    def sidecar(self, shard: str) -> SidecarRecord:
+        """The record of finished sidecar ``shard``, checked as :meth:`folds` checks folds."""
+        done = self.shard(shard).done
+        assert done is not None
+        try:
+            return SidecarRecord.from_dict(done)
+        except SchemaError as exc:
+            raise _unreadable(self.path, exc) from None
 
     def layers_done(self) -> int:
         """The layers whose folds are durably in a sidecar."""
@@ -168,4 +174,8 @@ class Journal:
                 fingerprints=dict(data.get("fingerprints", {})),
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # any shape but the right one
-            raise cls(path, "").unreadable(exc) from None
+            raise _unreadable(path, exc) from None
+
+
+def _unreadable(path: Path, why: Exception) -> FoldckptError:
+    return FoldckptError(f"{path}: unreadable resume journal ({why}); pass --restart to start over")

@@ -33,7 +33,6 @@ from foldckpt.format.manifest import (
     MANIFEST_NAME,
     FoldTensor,
     Manifest,
-    SchemaError,
     SidecarRecord,
     listed_files,
     read_manifest,
@@ -227,13 +226,7 @@ def discard_sidecars(plan: ConversionPlan, out_dir: Path, names: Iterable[str]) 
 def _sidecar_holds(path: Path, journal: Journal, shard: str, plan: ConversionPlan, proven: Proven) -> bool:
     """Whether a finished sidecar the journal records still holds its bytes (hashed: its
     fingerprint changed)."""
-    done = journal.shard(shard).done
-    assert done is not None
-    try:
-        record = SidecarRecord.from_dict(done)
-    except SchemaError as exc:
-        raise journal.unreadable(exc) from None
-    return _sidecar_intact(path, record, journal.folds(shard, plan.geometry.num_heads), plan, proven)
+    return _sidecar_intact(path, journal.sidecar(shard), journal.folds(shard, plan.geometry.num_heads), plan, proven)
 
 
 def _sidecar_intact(

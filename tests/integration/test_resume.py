@@ -470,14 +470,22 @@ def _journaled_fold(out: Path, finished: bool) -> bool:
     return any(s["tensors"] and (s["done"] is not None) == finished for s in journal["shards"].values())
 
 
-@pytest.mark.parametrize("finished", [False, True], ids=["kept-fold", "finished-sidecar"])
-def test_a_journaled_fold_record_edited_by_hand_is_one_line_naming_the_journal(
-    model: Path, reference: tuple[Path, dict[str, Any]], tmp_path: Path, finished: bool
+@pytest.mark.parametrize(
+    ("finished", "record", "field"),
+    [
+        (False, "fold", "head_blake3"),
+        (True, "fold", "head_blake3"),
+        (True, "sidecar", "size"),
+    ],
+    ids=["kept-fold", "finished-sidecar-fold", "finished-sidecar"],
+)
+def test_a_journaled_record_edited_by_hand_is_one_line_naming_the_journal(
+    model: Path, reference: tuple[Path, dict[str, Any]], tmp_path: Path, finished: bool, record: str, field: str
 ) -> None:
-    """A fold's record in the journal checked field by field only by the manifest's reader: a
-    record edited by hand (here its head digests made a number) was a ValueError, exit 3, both
-    where a kept fold is checked against its bytes and where the manifest is assembled from a
-    finished sidecar's records."""
+    """The journal's records of folds and finished sidecars were checked field by field only by the
+    manifest's readers: a record edited by hand (a fold's head digests or a sidecar's size made a
+    number or text) was a ValueError, exit 3, where a kept fold is checked against its bytes and
+    where the manifest is assembled from a finished sidecar's records."""
     for attempt in range(20):
         out = tmp_path / f"out-{attempt}"
         if kill_when(spawn_convert(model, out), lambda out=out: _journaled_fold(out, finished)):
@@ -486,10 +494,13 @@ def test_a_journaled_fold_record_edited_by_hand_is_one_line_naming_the_journal(
         pytest.skip(f"no kill landed while the journal kept a fold ({finished=}) in 20 runs")
     journal = json.loads((out / JOURNAL_NAME).read_text())
     shard = next(s for s in journal["shards"].values() if s["tensors"] and (s["done"] is not None) == finished)
-    next(iter(shard["tensors"].values()))["head_blake3"] = 5
+    if record == "fold":
+        next(iter(shard["tensors"].values()))[field] = 5
+    else:
+        shard["done"][field] = "large"
     (out / JOURNAL_NAME).write_text(json.dumps(journal))
     line = one_error_line(run_foldckpt(*convert_args(model, out)))
-    assert f"{out / JOURNAL_NAME}: unreadable resume journal" in line and "head_blake3" in line, line
+    assert f"{out / JOURNAL_NAME}: unreadable resume journal" in line and field in line, line
     assert "--restart" in line, line
     assert not (out / MANIFEST_NAME).exists()
     assert run_foldckpt(*convert_args(model, out, "--restart")).returncode == 0
