@@ -5,10 +5,11 @@
 # exact fold and rounding on a GPU); engine: tests/gpu/engine (real vLLM engines, stock vs plugin,
 # side by side); bench-k3 / bench-ds: scripts/bench_engine.py for one full-depth model (about 9
 # minutes each: one device call per model; "all" runs neither); profile-k3 / profile-ds: stock's and
-# the fp8 engines' decode steps broken down by kernel (bench_engine.py --profile, about 4 minutes).
-# "all" runs the kernel tests beside the engine tests (they share the GPU; neither times anything). What docs/bench keeps lands in
-# $OUT (the device returns it): gpu_tests_<gpu>.txt, gpu_engine_tests_<gpu>.txt, engine_<gpu>.json
-# (a bench run merges into the engine_<gpu>.json it finds in $OUT or docs/bench), engine logs (tgz).
+# the fp8 engines' decode steps broken down by kernel (bench_engine.py --profile, about 8 minutes).
+# "all" runs the kernel tests beside the engine tests (they share the GPU; neither times anything).
+# What docs/bench keeps lands in $OUT (the device returns it): gpu_tests_<gpu>.txt,
+# gpu_engine_tests_<gpu>.txt, engine_<gpu>.json and engine_profile_<gpu>.json (a run merges into the
+# file of that name it finds in $OUT or docs/bench), engine logs (tgz).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_tests_out}
