@@ -9,7 +9,8 @@ weight loads may overlap the previous call's tail, which no engine step has (the
 kernel follows the RMSNorm). The engine profile (``bench_engine.py --profile``) found the fold
 kernel slower inside the engine than alone; this says how much of that a chained measurement
 explains. Kimi-K3 TP8 (N = 6912) and DeepSeek-V3 TP8 (N = 9216) ranks, M = 1, 8, 14, 16, 28: the
-fp8 fold as the table runs it, the Hopper CUDA kernel with and without PDL, stock's unfolded query.
+fp8 fold as the table runs it (on a contiguous x, and on x as the engine hands it over: q_c, a view
+of the fused q/kv activation), the Hopper CUDA kernel with and without PDL, stock's unfolded query.
 
     python scripts/bench_launch_overlap.py --out docs/bench/launch_overlap_<gpu>.json   # on a GPU
 """
@@ -47,8 +48,12 @@ def measure(layers: Layers, dims: MlaDims, m: int, device: torch.device) -> dict
     """µs per call of each kernel at M = m, chained and engine-like, and of the x-writing copy."""
     source = torch.randn(m, dims.q_lora, device=device, dtype=torch.bfloat16)
     x = source.clone()
+    # The engine's x: q_c, a view of the q-LoRA + kv-LoRA + k_pe activation (rows 2112 apart).
+    wide = torch.zeros(m, dims.q_lora + dims.kv_lora + dims.rope, device=device, dtype=torch.bfloat16)
+    x_view = wide[:, : dims.q_lora].copy_(source)
     kernels = {
         "table": lambda i: fold_gemm(x, layers.fp8s[i], scale=layers.scales[i]),
+        "table_strided_x": lambda i: fold_gemm(x_view, layers.fp8s[i], scale=layers.scales[i]),
         "cuda": lambda i: cuda_fp8.launch(x, layers.fp8s[i], layers.scales[i]),
         "cuda_nopdl": lambda i: cuda_fp8.launch(x, layers.fp8s[i], layers.scales[i], pdl=False),
         "stock": lambda i: unfolded_query(x, layers.qbs[i], layers.uks[i], dims, None),
