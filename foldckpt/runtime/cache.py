@@ -20,13 +20,16 @@ check, not this module's.
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import os
 import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-__all__ = ["CacheDefect", "cache_dir", "driver_version", "read_entry", "write_entry"]
+__all__ = ["CacheDefect", "cache_dir", "driver_version", "entry_path", "read_entry", "write_entry"]
 
 
 class CacheDefect(Exception):
@@ -38,6 +41,13 @@ def cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
     base = environ.get("XDG_CACHE_HOME", "")
     root = Path(base) if base and Path(base).is_absolute() else Path.home() / ".cache"
     return root / "foldckpt"
+
+
+def entry_path(kind: str, key: Mapping[str, Any], suffix: str, environ: Mapping[str, str] = os.environ) -> Path:
+    """The entry of ``kind`` made under ``key``: a digest of the key names the file (which holds the
+    key itself, for the reader to compare)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir(environ) / f"{kind}-{digest}{suffix}"
 
 
 def driver_version() -> str:

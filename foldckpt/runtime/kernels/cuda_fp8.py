@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 import foldckpt
-from foldckpt.runtime.cache import CacheDefect, cache_dir, driver_version, read_entry, write_entry
+from foldckpt.io.files import parse_json
+from foldckpt.runtime.cache import CacheDefect, driver_version, entry_path, read_entry, write_entry
 
 __all__ = [
     "CONVERSIONS",
@@ -255,8 +256,7 @@ def _cache_key(variant: tuple[int, int], conversion: str, capability: tuple[int,
 
 
 def cubin_cache_path(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return cache_dir() / f"kernel-{digest}.cubin"
+    return entry_path("kernel", key, ".cubin")
 
 
 def _encode_entry(key: dict, cubin: bytes) -> bytes:
@@ -268,7 +268,7 @@ def _encode_entry(key: dict, cubin: bytes) -> bytes:
 def _decode_entry(raw: bytes, key: dict) -> bytes:
     """The cubin of an entry made under ``key``, or ValueError saying what is wrong with it."""
     line, sep, cubin = raw.partition(b"\n")
-    header = json.loads(line.decode("utf-8")) if sep else None
+    header = parse_json(line.decode("utf-8")) if sep else None
     if not isinstance(header, dict) or header.get("key") != key:
         raise ValueError("built under another key")
     if header.get("bytes") != len(cubin) or header.get("sha256") != hashlib.sha256(cubin).hexdigest():
@@ -286,9 +286,8 @@ def cached_cubin(variant: tuple[int, int], conversion: str, capability: tuple[in
         raw = read_entry(path, _CUBIN_MAX_BYTES)
         if raw is not None:
             return _decode_entry(raw, key)
-    except (CacheDefect, ValueError, RecursionError) as exc:
-        reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
-        logger.warning("foldckpt: ignoring the kernel cache %s (%s); building again", path, reason)
+    except (CacheDefect, ValueError) as exc:
+        logger.warning("foldckpt: ignoring the kernel cache %s (%s); building again", path, exc)
     cubin, _ = build_cubin(variant, conversion)
     try:
         write_entry(path, _encode_entry(key, cubin))

@@ -24,7 +24,6 @@ W_UK. The threshold is never guessed; in order of precedence it is (``Route.sour
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -42,7 +41,8 @@ import foldckpt
 from foldckpt.defaults import env_switch
 from foldckpt.errors import FoldckptError
 from foldckpt.fold import quantize_fp8_rows
-from foldckpt.runtime.cache import CacheDefect, cache_dir, driver_version, read_entry, write_entry
+from foldckpt.io.files import parse_json
+from foldckpt.runtime.cache import CacheDefect, cache_dir, driver_version, entry_path, read_entry, write_entry
 from foldckpt.runtime.kernels.device import gpu_key
 from foldckpt.runtime.kernels.dispatch import fold_gemm, warmup_fold_gemm
 from foldckpt.runtime.kernels.reference import MlaDims, unfolded_query
@@ -133,8 +133,7 @@ def autotune_enabled(environ: Mapping[str, str] = os.environ) -> bool:
 
 def cache_path(key: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> Path:
     """The cache file of ``key`` (a digest of it names the file; the file holds the key itself)."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return cache_dir(environ) / f"route-{digest}.json"
+    return entry_path("route", key, ".json", environ)
 
 
 def _triton_version() -> str:
@@ -190,21 +189,17 @@ def read_cached_points(path: Path, key: Mapping[str, Any]) -> list[Point] | None
         raw = read_entry(path, CACHE_MAX_BYTES)
         if raw is None:
             return None
-        doc = json.loads(raw.decode("utf-8"))
+        doc = parse_json(raw.decode("utf-8"))
         if not isinstance(doc, dict) or doc.get("key") != dict(key):
             raise ValueError("measured under another key")
         points = _valid_points(doc.get("points"))
         if doc.get("fold_max_tokens") != decide_fold_max_tokens(points):
             raise ValueError(f"fold_max_tokens {doc.get('fold_max_tokens')!r} is not what its timings give")
-    # ValueError covers json.JSONDecodeError and UnicodeDecodeError; RecursionError, deep nesting.
-    except (CacheDefect, ValueError, RecursionError) as exc:
-        logger.warning("foldckpt: ignoring the routing cache %s (%s); measuring again", path, _reason(exc))
+    # ValueError covers a bad encoding, a document that does not parse or nests too deeply
+    except (CacheDefect, ValueError) as exc:
+        logger.warning("foldckpt: ignoring the routing cache %s (%s); measuring again", path, exc)
         return None
     return points
-
-
-def _reason(exc: BaseException) -> str:
-    return "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
 
 
 def write_cached_points(path: Path, key: Mapping[str, Any], points: list[Point]) -> bool:
