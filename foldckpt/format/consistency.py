@@ -37,7 +37,7 @@ from typing import Any
 from foldckpt.defaults import FOLD_DTYPE_NAMES, FOLD_SCALE_DTYPE, JOURNAL_NAME, SCALED_FOLD_DTYPES, SIDECAR_PREFIX
 from foldckpt.errors import FoldckptError
 from foldckpt.format.manifest import MANIFEST_NAME, FoldTensor, Manifest, SidecarRecord, SourceTensor
-from foldckpt.io.files import is_tmp_path, os_error
+from foldckpt.io.files import is_tmp_path, os_error, stays_inside
 from foldckpt.io.hashing import HashJob, RangeCheck, hash_job, tensor_digest
 from foldckpt.io.safetensors_format import SafetensorsHeader, TensorInfo, read_header, read_tensor_bytes
 from foldckpt.model.geometry import CONFIG_NAME, read_geometry
@@ -81,8 +81,7 @@ def is_hex_digest(value: object) -> bool:
 
 
 def _unsafe_name(name: str) -> bool:
-    pure = PurePosixPath(name)
-    return not name or "\x00" in name or "\\" in name or pure.is_absolute() or ".." in pure.parts or name == "."
+    return not name or "\x00" in name or name == "." or not stays_inside(name)
 
 
 # Linux's limits on a file name's component and on a whole path (with its NUL), in bytes.
