@@ -461,13 +461,22 @@ def test_a_kept_fold_damaged_between_two_runs_is_folded_again_on_resume(
     assert_identical(out, reference[0])
 
 
-def _journaled_fold(out: Path, finished: bool) -> bool:
-    """Whether the journal keeps a fold of a sidecar that is finished (``finished``) or not."""
+def _journaled_shard(out: Path, finished: bool) -> str | None:
+    """A sidecar whose folds the journal keeps, finished and in place (``finished``) or unfinished.
+    A finished sidecar must be in place: killed between journaling it and renaming it, a resume
+    writes its record afresh from the bytes (never reading the journaled one), as it should."""
     try:
         journal = json.loads((out / JOURNAL_NAME).read_text())
     except (FileNotFoundError, ValueError):
-        return False
-    return any(s["tensors"] and (s["done"] is not None) == finished for s in journal["shards"].values())
+        return None
+    return next(
+        (
+            name
+            for name, s in journal["shards"].items()
+            if s["tensors"] and (s["done"] is not None) == finished and (out / name).exists() == finished
+        ),
+        None,
+    )
 
 
 @pytest.mark.parametrize(
@@ -488,12 +497,13 @@ def test_a_journaled_record_edited_by_hand_is_one_line_naming_the_journal(
     where the manifest is assembled from a finished sidecar's records."""
     for attempt in range(20):
         out = tmp_path / f"out-{attempt}"
-        if kill_when(spawn_convert(model, out), lambda out=out: _journaled_fold(out, finished)):
+        killed = kill_when(spawn_convert(model, out), lambda out=out: _journaled_shard(out, finished) is not None)
+        if killed and (name := _journaled_shard(out, finished)) is not None:  # as it stood once killed
             break
     else:
         pytest.skip(f"no kill landed while the journal kept a fold ({finished=}) in 20 runs")
     journal = json.loads((out / JOURNAL_NAME).read_text())
-    shard = next(s for s in journal["shards"].values() if s["tensors"] and (s["done"] is not None) == finished)
+    shard = journal["shards"][name]
     if record == "fold":
         next(iter(shard["tensors"].values()))[field] = 5
     else:
