@@ -78,6 +78,10 @@ K3_PLATFORM_BRANCHES = {
 K3_PLATFORM_BRANCHES[(0, 34)] = K3_PLATFORM_BRANCHES[(0, 33)]
 # The specialized ("latency_specialized") decode reads q_b_proj.weight / W_UK_T itself (0.33 only).
 HAS_SPECIALIZED_DECODE = {(0, 32): False, (0, 33): True, (0, 34): True}
+# How the NVIDIA MLA runs an unquantized projection (fused_qkv_a, the output gate): 0.34 moved the
+# MLA's _unquantized_gemm into the low-latency module as low_latency_linear.
+_MLA_GEMM, _MODULE_GEMM = (NV_MLA, MLA, "_unquantized_gemm"), (LOW_LATENCY, None, "low_latency_linear")
+NV_UNQUANTIZED_GEMM = {(0, 32): _MLA_GEMM, (0, 33): _MLA_GEMM, (0, 34): _MODULE_GEMM}
 
 # ---- what holds in both ----------------------------------------------------------------
 NV_MLA_INIT_KEYWORDS = [
@@ -295,6 +299,36 @@ def test_nvidia_attention_is_a_capture_break_with_the_decode_tail(k3_tree: Sourc
     assert tree.decorators("vllm.compilation.breakable_cudagraph", None, "eager_break_during_capture.wrapper") == [
         "functools.wraps"
     ], f"{tree.label}: eager_break_during_capture no longer keeps __wrapped__ (functools.wraps) [foldckpt: {why}]"
+
+
+def test_nvidia_output_gate_runs_beside_the_query_on_a_second_stream(k3_tree: SourceTree) -> None:
+    """In a decode batch the output gate's GEMM runs on vLLM's second stream beside the whole query
+    path, and only the breakable (PIECEWISE) capture turns that stream off, so FULL decode graphs
+    keep it: what docs/benchmarks.md says of the engine and scripts/bench_gate_overlap.py times."""
+    tree, why = k3_tree, "bench_gate_overlap.py times the query beside the gate as FULL decode graphs run it"
+    fork = tree.require_call(NV_MLA, MLA, "_forward_q_lora", "maybe_execute_in_parallel", positional=5, why=why)
+    query, gate, aux = fork.args[0], fork.args[1], fork.args[4]
+    assert "self._apply_q_lora_attention(" in query and "gate_weight)" in gate and aux == "self.aux_stream", (
+        f"{tree.label}: _forward_q_lora forks {fork.args} [foldckpt: {why}]"
+    )
+    source = tree.source(NV_MLA, MLA, "_forward_q_lora")
+    assert "hidden_states.shape[0] < _GATE_MULTI_STREAM_TOKEN_THRESHOLD" in source, (
+        f"{tree.label}: _forward_q_lora no longer forks below a token threshold [foldckpt: {why}]"
+    )
+    assert "_GATE_MULTI_STREAM_TOKEN_THRESHOLD = 512" in tree.path(NV_MLA).read_text(), (
+        f"{tree.label}: the gate's multi-stream threshold is no longer 512 tokens [foldckpt: {why}]"
+    )
+    gemm = NV_UNQUANTIZED_GEMM[tree.minor]
+    body = tree.source(*gemm)
+    assert "try_low_latency_gemm(" in body and "F.linear(" in body, f"{tree.label}: {body} [foldckpt: {why}]"
+    (other,) = {_MLA_GEMM, _MODULE_GEMM} - {gemm}
+    with pytest.raises(AssertionError):
+        tree.method(*other, inherited=False)
+    off = tree.source("vllm.utils.multi_stream_utils", None, "maybe_execute_in_parallel")
+    assert "if BreakableCUDAGraphCapture.is_active():\n            aux_stream = None" in off, (
+        f"{tree.label}: maybe_execute_in_parallel turns the second stream off otherwise now [foldckpt: {why}]"
+    )
+    assert off.count("aux_stream = None") == 1, f"{tree.label}: a second off switch [foldckpt: {why}]"
 
 
 def test_nvidia_weight_absorption_runs_after_the_linears(k3_tree: SourceTree) -> None:
