@@ -313,7 +313,7 @@ def microbench_job(spec: dict[str, Any]) -> dict[str, Any]:
 
     from foldckpt.runtime.kernels import fold_gemm, fold_query, fold_route, warmup_fold_gemm, warmup_fold_query
     from foldckpt.runtime.kernels.reference import MlaDims, decode_rope, unfolded_query
-    from foldckpt.runtime.kernels.timing import layer_order, settle_clocks, time_graphs_us
+    from foldckpt.runtime.kernels.timing import layer_order, time_rounds_us
     from foldckpt.runtime.kernels.tuning import FP8_WEIGHT_DTYPE
 
     device = torch.device("cuda")
@@ -354,9 +354,7 @@ def microbench_job(spec: dict[str, Any]) -> dict[str, Any]:
         calls = {"stock": [lambda i=i: stock(i) for i in layer_order()]}
         for variant in FOLD_VARIANTS:
             calls[variant] = [lambda i=i, v=variant: fold(v, i) for i in layer_order()]
-        settle_clocks(device)
-        rounds = [time_graphs_us(calls) for _ in range(3)]
-        times = {name: statistics.median(r[name] for r in rounds) for name in calls}
+        times = time_rounds_us(device, calls)
         out["levels"].append(
             {
                 "concurrency": c,

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
 from bench_decode import Layers, split_query  # noqa: E402
-from bench_machine import commit  # noqa: E402
+from bench_machine import gpu_timing_report  # noqa: E402
 from vllm.models.common.ops import fused_q_kv_rmsnorm  # noqa: E402
 from vllm.models.kimi_k3.nvidia.low_latency_gemm import try_low_latency_gemm  # noqa: E402
 from vllm.utils.multi_stream_utils import maybe_execute_in_parallel  # noqa: E402
@@ -48,9 +47,7 @@ from foldckpt.runtime.kernels.reference import MlaDims  # noqa: E402
 from foldckpt.runtime.kernels.timing import (  # noqa: E402
     LAYER_COPIES,
     layer_order,
-    measure_kernel_overhead_us,
-    settle_clocks,
-    time_graphs_us,
+    time_rounds_us,
 )
 
 # One Kimi-K3 TP8 rank: 12 of 96 heads; hidden 7168; the gate has one v_head (128) per head.
@@ -127,9 +124,7 @@ def measure(front: FrontEnd, layers: Layers, m: int, device: torch.device) -> di
         f"{name}_{mode}": mode_calls(front, hidden, x, query, mode) for name, query in queries.items() for mode in MODES
     }
     calls["gate"] = [lambda i=i: vllm_gemm(hidden, front.gate[i]) for i in layer_order()]
-    settle_clocks(device)
-    rounds = [time_graphs_us(calls) for _ in range(3)]
-    times = {name: statistics.median(r[name] for r in rounds) for name in calls}
+    times = time_rounds_us(device, calls)
     record: dict = {"gate_us": times["gate"]}
     for name in queries:
         record[name] = {f"{mode}_us": times[f"{name}_{mode}"] for mode in MODES}
@@ -145,13 +140,7 @@ def main() -> None:
     layers = Layers(DIMS, device)
     front = FrontEnd(DIMS, device)
     warmup_fold_gemm(layers.fp8, max(TOKENS), scale=layers.scale)
-    report = {
-        "gpu": torch.cuda.get_device_name(0),
-        "commit": commit(),
-        "method": __doc__,
-        "empty_launch_us": measure_kernel_overhead_us(device),
-        "records": {},
-    }
+    report = {**gpu_timing_report(__doc__, device), "records": {}}
     for m in TOKENS:
         record = measure(front, layers, m, device)
         report["records"][f"M={m}"] = record

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,15 +28,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
 from bench_decode import Layers  # noqa: E402
-from bench_machine import commit  # noqa: E402
+from bench_machine import gpu_timing_report  # noqa: E402
 
 from foldckpt.runtime.kernels import cuda_fp8, fold_gemm, warmup_fold_gemm  # noqa: E402
 from foldckpt.runtime.kernels.reference import MlaDims, unfolded_query  # noqa: E402
 from foldckpt.runtime.kernels.timing import (  # noqa: E402
     layer_order,
-    measure_kernel_overhead_us,
-    settle_clocks,
-    time_graphs_us,
+    time_rounds_us,
 )
 
 HEADS = (12, 16)
@@ -62,9 +59,7 @@ def measure(layers: Layers, dims: MlaDims, m: int, device: torch.device) -> dict
     for name, kernel in kernels.items():
         calls[f"{name}_chain"] = [lambda i=i, k=kernel: k(i) for i in layer_order()]
         calls[f"{name}_after_copy"] = [lambda i=i, k=kernel: (x.copy_(source), k(i)) for i in layer_order()]
-    settle_clocks(device)
-    rounds = [time_graphs_us(calls) for _ in range(3)]
-    times = {name: statistics.median(r[name] for r in rounds) for name in calls}
+    times = time_rounds_us(device, calls)
     record: dict = {"copy_us": times["copy"]}
     for name in kernels:
         record[name] = {
@@ -79,13 +74,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
-    report = {
-        "gpu": torch.cuda.get_device_name(0),
-        "commit": commit(),
-        "method": __doc__,
-        "empty_launch_us": measure_kernel_overhead_us(device),
-        "records": {},
-    }
+    report = {**gpu_timing_report(__doc__, device), "records": {}}
     for heads in HEADS:
         dims = MlaDims(heads)
         layers = Layers(dims, device)

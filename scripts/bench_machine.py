@@ -43,3 +43,16 @@ def commit() -> str:
     from foldckpt.tune.cli import source_commit
 
     return source_commit(Path(__file__).resolve().parent.parent)
+
+
+def gpu_timing_report(method: str, device: torch.device) -> dict[str, Any]:
+    """The head of a GPU kernel timing report: the GPU, the commit, the method, and what an empty
+    launch costs in the same process (every µs-scale kernel pays it; figures are read against it)."""
+    from foldckpt.runtime.kernels.timing import measure_kernel_overhead_us
+
+    return {
+        "gpu": torch.cuda.get_device_name(device),
+        "commit": commit(),
+        "method": method,
+        "empty_launch_us": measure_kernel_overhead_us(device),
+    }

@@ -25,6 +25,7 @@ __all__ = [
     "settle_clocks",
     "time_graph_us",
     "time_graphs_us",
+    "time_rounds_us",
 ]
 
 # A timed graph holds CALLS_PER_GRAPH calls over LAYER_COPIES copies of a layer's weights, so that
@@ -77,6 +78,17 @@ def time_graphs_us(
             samples[name].append(start.elapsed_time(end) * 1000.0 / count)
     del graphs
     return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def time_rounds_us(
+    device: torch.device, variants: Mapping[str, Sequence[Callable[[], object]]], rounds: int = 3
+) -> dict[str, float]:
+    """``time_graphs_us`` after :func:`settle_clocks`, ``rounds`` times over graphs captured afresh,
+    the median per variant: where a few tenths of a µs decide a finding, one capture's luck
+    (memory placement, a clock step) must not."""
+    settle_clocks(device)
+    samples = [time_graphs_us(variants) for _ in range(rounds)]
+    return {name: statistics.median(sample[name] for sample in samples) for name in variants}
 
 
 def time_graph_us(calls: Sequence[Callable[[], object]], replays: int = 15, warmup: int = 3) -> float:
