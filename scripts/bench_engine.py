@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -80,10 +81,12 @@ PROFILE_STEPS = 64
 # The project's own kernels that compute the fold's query (Triton's and the Hopper CUDA kernel).
 FOLD_KERNELS = ("_fold_gemm_kernel", "_skinny_gemm_kernel", "_rope_query_kernel", "foldckpt_fp8_fold")
 
-# Per model: layers and MLA layers (the real model's, kept), heads per TP8 rank, RoPE or NoPE.
+# Per model: layers and MLA layers (the real model's, kept), heads per TP8 rank, RoPE or NoPE, and
+# whether its MLA has an output gate (Kimi-K3: vLLM runs its GEMM on a second stream beside the
+# query, docs/benchmarks.md).
 MODELS: dict[str, dict[str, Any]] = {
-    "k3": {"layers": 93, "mla_layers": 24, "heads": 12, "rope": False},
-    "ds": {"layers": 61, "mla_layers": 61, "heads": 16, "rope": True},
+    "k3": {"layers": 93, "mla_layers": 24, "heads": 12, "rope": False, "output_gate": True},
+    "ds": {"layers": 61, "mla_layers": 61, "heads": 16, "rope": True, "output_gate": False},
 }
 # The published full-model decode step times the projection divides by, with their sources.
 FULL_MODEL_TPOT = REPO / "docs" / "bench" / "full_model_tpot.json"
@@ -478,10 +481,27 @@ def summarize(model: str, runs: dict[str, Any], micro: dict[str, Any]) -> dict[s
     return out
 
 
+def gate_kernel(model: str) -> re.Pattern[str] | None:
+    """The output gate's kernel where its name tells it apart: vLLM's dsv3_fused_a_gemm, compiled per
+    (N, K), at the gate's (heads x v_head, hidden), which no other GEMM of the bench's model has (at
+    other token counts the gate runs a cuBLAS kernel that other GEMMs share). None without a gate."""
+    if not MODELS[model]["output_gate"]:
+        return None
+    d = dims(model)
+    return re.compile(rf"fused_a_gemm_kernel<\d+, {d.heads * d.v_head}, {d.hidden},")
+
+
 def profile_diff(model: str, profiles: dict[str, Any], top: int = 12) -> dict[str, Any]:
     """Per fold variant and concurrency: the decode step's GPU time against stock's (total and per
-    MLA layer), and the kernels whose time per step differs most, each with both sides."""
+    MLA layer), the fold's kernels and the output gate's per MLA layer, and the kernels whose time
+    per step differs most, each with both sides."""
     mla = MODELS[model]["mla_layers"]
+    gate = gate_kernel(model)
+
+    def gate_us(kernels: dict[str, float]) -> float | None:
+        times = [us for name, us in kernels.items() if gate is not None and gate.search(name)]
+        return sum(times) / mla if times else None
+
     stock = profiles.get("stock", {}).get("profile")
     out: dict[str, Any] = {}
     for variant, result in profiles.items():
@@ -498,6 +518,7 @@ def profile_diff(model: str, profiles: dict[str, Any], top: int = 12) -> dict[st
                     "fold_gpu_us_per_step": f["gpu_us_per_step"],
                     "saving_per_mla_layer_step_us": (s["gpu_us_per_step"] - f["gpu_us_per_step"]) / mla,
                     "fold_kernels_us_per_mla_layer": sum(b.get(name, 0.0) for name in FOLD_KERNELS) / mla,
+                    "gate_kernel_us_per_mla_layer": {"stock": gate_us(a), "fold": gate_us(b)},
                     "kernels": [
                         {
                             "name": name[:200],

@@ -813,6 +813,7 @@ def engine_profile_table() -> list[str]:
         for variant, levels in model["profile_diff"].items():
             for r in levels:
                 alone = micro.get(r["concurrency"])
+                gate = r.get("gate_kernel_us_per_mla_layer") or {}
                 rows.append(
                     [
                         key,
@@ -822,6 +823,9 @@ def engine_profile_table() -> list[str]:
                         f"{r['saving_per_mla_layer_step_us']:+.2f}",
                         f"{r['fold_kernels_us_per_mla_layer']:.2f}",
                         f"{alone[f'{variant}_us']:.2f}" if alone else "",
+                        f"{gate['stock']:.2f} / {gate['fold']:.2f}"
+                        if None not in (gate.get("stock"), gate.get("fold"))
+                        else "",
                     ]
                 )
     header = [
@@ -832,6 +836,7 @@ def engine_profile_table() -> list[str]:
         "saved µs / MLA layer (kernel sums)",
         "fold kernel µs / MLA layer, in the engine",
         "the same kernel alone, µs",
+        "output gate kernel µs / MLA layer, stock / fold",
     ]
     return _table(header, rows)
 

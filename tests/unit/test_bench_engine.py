@@ -99,3 +99,26 @@ def test_profile_diff_sets_each_kernel_beside_stock_and_ranks_by_difference(benc
     profiles["fp8"] = {"profile": [level(1, projects)]}
     [row] = bench.profile_diff("k3", profiles)["fp8"]
     assert row["fold_kernels_us_per_mla_layer"] == pytest.approx(192.0 / 24)
+
+
+def test_profile_diff_tells_the_output_gate_apart_only_by_its_shape(bench: ModuleType) -> None:
+    """Kimi-K3's gate runs vLLM's dsv3_fused_a_gemm compiled for (12 x 128, 7168) at TP8, fused_qkv_a
+    the same kernel at (2112, 7168); cuBLAS kernels carry no shape and DeepSeek-V3 has no gate."""
+    gate = "void fused_a_gemm_kernel<1, 1536, 7168, 16, 16, 256, 12>(__nv_bfloat16*)"
+    qkv_a = "void fused_a_gemm_kernel<1, 2112, 7168, 16, 16, 256, 12>(__nv_bfloat16*)"
+    q_b_proj = "void fused_a_gemm_kernel<1, 2304, 1536, 16, 16, 256, 12>(__nv_bfloat16*)"
+
+    def profiles(kernels_stock: dict[str, float], kernels_fold: dict[str, float]) -> dict:
+        level = lambda kernels: {"concurrency": 14, "gpu_us_per_step": 1.0, "kernels_us_per_step": kernels}  # noqa: E731
+        return {"stock": {"profile": [level(kernels_stock)]}, "fp8": {"profile": [level(kernels_fold)]}}
+
+    both = profiles({gate: 240.0, qkv_a: 336.0, q_b_proj: 200.0}, {gate: 264.0, qkv_a: 336.0})
+    [row] = bench.profile_diff("k3", both)["fp8"]
+    assert row["gate_kernel_us_per_mla_layer"] == {"stock": pytest.approx(10.0), "fold": pytest.approx(11.0)}
+    cublas = profiles(
+        {"nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT": 500.0}, {"nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT": 9.0}
+    )
+    [row] = bench.profile_diff("k3", cublas)["fp8"]
+    assert row["gate_kernel_us_per_mla_layer"] == {"stock": None, "fold": None}
+    [row] = bench.profile_diff("ds", both)["fp8"]
+    assert row["gate_kernel_us_per_mla_layer"] == {"stock": None, "fold": None}, "DeepSeek-V3 has no output gate"
