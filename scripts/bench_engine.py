@@ -298,8 +298,9 @@ def profile_level(llm: Any, c: int) -> dict[str, Any]:
         "steps": PROFILE_STEPS,
         "gpu_us_per_step": sum(us for us, _ in per_step.values()),
         "kernels_us_per_step": {name: us for name, (us, _) in per_step.items()},
-        # the kernel durations overlap where kernels launch early (PDL), so their sum can exceed
-        # the step; per launch, a kernel's time is set beside the microbenchmark's
+        # the kernel durations overlap where kernels launch early (PDL) or run on a second stream
+        # (Kimi-K3's output gate, its MoE's down projection), so their sum can exceed the step; per
+        # launch, a kernel's time is set beside the microbenchmark's
         "kernels_launches_per_step": {name: launches for name, (_, launches) in per_step.items()},
     }
 
@@ -499,7 +500,9 @@ def profile_diff(model: str, profiles: dict[str, Any], top: int = 12) -> dict[st
     gate = gate_kernel(model)
 
     def gate_us(kernels: dict[str, float]) -> float | None:
-        times = [us for name, us in kernels.items() if gate is not None and gate.search(name)]
+        if gate is None:
+            return None
+        times = [us for name, us in kernels.items() if gate.search(name)]
         return sum(times) / mla if times else None
 
     stock = profiles.get("stock", {}).get("profile")

@@ -67,7 +67,8 @@ def vllm_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class FrontEnd:
     """LAYER_COPIES copies of the MLA front end's weights beside the query's (``Layers``): the
-    fused q/kv/k_pe down-projection, the output gate and the two RMSNorm weights."""
+    fused q/kv/k_pe down-projection, the output gate and the two RMSNorm weights; and the one
+    auxiliary stream every layer forks its gate to, as vLLM's Kimi-K3 decoder hands one to all."""
 
     def __init__(self, dims: MlaDims, device: torch.device) -> None:
         gen = torch.Generator(device=device).manual_seed(HIDDEN)
@@ -81,6 +82,7 @@ class FrontEnd:
         self.gate = [weight(dims.heads * V_HEAD) for _ in range(LAYER_COPIES)]
         self.q_norm = torch.ones(dims.q_lora, device=device, dtype=torch.bfloat16)
         self.kv_norm = torch.ones(dims.kv_lora, device=device, dtype=torch.bfloat16)
+        self.aux = torch.cuda.Stream(device)
 
     def q_c(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
         """The normed q-LoRA activation of layer copy ``i``, as ``_apply_q_lora_attention`` makes it."""
@@ -93,7 +95,6 @@ def mode_calls(
     front: FrontEnd, hidden: torch.Tensor, x: torch.Tensor, query: Callable[[torch.Tensor, int], object], mode: str
 ) -> list[Callable[[], object]]:
     """One timed graph's calls of ``query`` in ``mode`` (see the module docstring)."""
-    aux = torch.cuda.Stream()
 
     def call(i: int) -> Callable[[], object]:
         if mode == "query":
@@ -105,7 +106,7 @@ def mode_calls(
         if mode == "gate_after":
             return lambda: (main(), gate())
         events = (torch.cuda.Event(), torch.cuda.Event())
-        return lambda: maybe_execute_in_parallel(main, gate, *events, aux)
+        return lambda: maybe_execute_in_parallel(main, gate, *events, front.aux)
 
     return [call(i) for i in layer_order()]
 
