@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # The GPU suite on the GPU machine, in one device call (at most 10 minutes) or in named parts:
-#   source .vl/unpack.sh && bash scripts/gpu_tests.sh [all | kernels | engine | overlap | bench-k3 | bench-ds | profile-k3 | profile-ds]...
+#   source .vl/unpack.sh && bash scripts/gpu_tests.sh \
+#     [all | kernels | engine | overlap | bench-k3 | bench-ds | profile-k3 | profile-ds]...
 # kernels: tests/gpu (fold kernels, fp8, convert --device cuda) and tests/unit's cuda parameters (the
 # exact fold and rounding on a GPU); engine: tests/gpu/engine (real vLLM engines, stock vs plugin,
 # side by side); bench-k3 / bench-ds: scripts/bench_engine.py for one full-depth model (about 9
 # minutes each: one device call per model; "all" runs neither); profile-k3 / profile-ds: stock's and
 # the fp8 engines' decode steps broken down by kernel (bench_engine.py --profile, about 8 minutes);
-# overlap: the query timed as engines run it, after an x-writing kernel (bench_launch_overlap.py) and
-# beside Kimi-K3's output gate on vLLM's second stream (bench_gate_overlap.py), about a minute (not in "all").
-# "all" runs the kernel tests beside the engine tests (they share the GPU; neither times anything).
-# What docs/bench keeps lands in $OUT (the device returns it): gpu_tests_<gpu>.txt,
-# gpu_engine_tests_<gpu>.txt, engine_<gpu>.json and engine_profile_<gpu>.json (a run merges into the
-# file of that name it finds in $OUT or docs/bench), launch_overlap_<gpu>.json, gate_overlap_<gpu>.json,
-# engine logs (tgz).
+# overlap: the query timed as engines run it, after an x-writing kernel (bench_launch_overlap.py)
+# and beside Kimi-K3's output gate on vLLM's second stream (bench_gate_overlap.py), about a minute
+# (not in "all"). "all" runs the kernel tests beside the engine tests (they share the GPU; neither
+# times anything). What docs/bench keeps lands in $OUT (the device returns it): gpu_tests_<gpu>.txt,
+# gpu_engine_tests_<gpu>.txt, engine_<gpu>.json and engine_profile_<gpu>.json (a run merges into
+# the file of that name it finds in $OUT or docs/bench), launch_overlap_<gpu>.json,
+# gate_overlap_<gpu>.json, engine logs (tgz).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_tests_out}
